@@ -1,0 +1,344 @@
+"""One typed configuration from a TOML file, ``KVSTRATA_*`` environment variables and flags.
+
+Precedence: command-line flags > environment > TOML file > defaults. Every key has a Redis-style
+dashed name (``dram-capacity``) used by ``CONFIG GET/SET``, TOML (dashes or underscores), the
+flag (``--dram-capacity``) and the environment (``KVSTRATA_DRAM_CAPACITY``). A bad value raises
+:class:`ConfigError` naming the key and what is wrong. ``docs/configuration.md`` is generated
+from :data:`OPTIONS` (``python -m kvstrata.config``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+}  # fmt: skip
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+def parse_size(text: str | int) -> int:
+    """``4GiB`` → 4294967296; ``512mb`` → 512000000 (Redis: mb is 1024², we follow SI/IEC)."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError("must not be negative")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a size (examples: 0, 65536, 512MiB, 4GiB)")
+    number, unit = m.group(1), (m.group(2) or "").lower()
+    if unit not in _UNITS:
+        raise ValueError(f"unknown unit in {text!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB)")
+    return int(float(number) * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def _bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    low = str(text).strip().lower()
+    if low in ("yes", "true", "on", "1"):
+        return True
+    if low in ("no", "false", "off", "0"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (yes/no)")
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], int]:
+    def parse(text: Any) -> int:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise ValueError(f"{text!r} is not an integer") from None
+        if not lo <= value <= hi:
+            raise ValueError(f"{value} is out of range [{lo}, {hi}]")
+        return value
+
+    return parse
+
+
+def _ratio(text: Any) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{value} must be in (0, 1]")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def parse(text: Any) -> str:
+        value = str(text).strip().lower()
+        if value not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _str(text: Any) -> str:
+    return str(text)
+
+
+def _bind(text: Any) -> str:
+    parts = str(text).split()
+    if not parts:
+        raise ValueError("needs at least one address")
+    for part in parts:
+        host = part.lstrip("-")
+        if host in ("localhost", "*"):
+            continue
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            raise ValueError(f"{part!r} is not an IP address") from None
+    return " ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str  # dashed
+    default: Any
+    parse: Callable[[Any], Any]
+    doc: str
+    mutable: bool = False  # CONFIG SET allowed at run time
+    secret: bool = False
+    fmt: Callable[[Any], str] = str
+
+
+def _opt(name: str, default: Any, parse: Callable[[Any], Any], doc: str, **kw: Any) -> Option:
+    return Option(name, default, parse, doc, **kw)
+
+
+_SIZE = {"fmt": format_size}
+OPTIONS: tuple[Option, ...] = (
+    # network and security
+    _opt("bind", "127.0.0.1", _bind, "Addresses to listen on, space separated."),
+    _opt("port", 7379, _int(0, 65535), "TCP port (0 picks a free one; the log says which)."),
+    _opt("requirepass", "", _str, "Password for AUTH; empty disables it.", mutable=True,
+         secret=True),
+    _opt("protected-mode", True, _bool,
+         "Without a password, refuse clients that are not on loopback.", mutable=True),
+    _opt("maxclients", 10000, _int(1, 1_000_000), "Most clients connected at once.",
+         mutable=True),
+    _opt("timeout", 0, _int(0, 10**9), "Close clients idle this many seconds (0 = never).",
+         mutable=True),
+    _opt("tls-port", 0, _int(0, 65535), "TLS port (0 = no TLS listener)."),
+    _opt("tls-cert-file", "", _str, "Server certificate (PEM)."),
+    _opt("tls-key-file", "", _str, "Server private key (PEM)."),
+    _opt("tls-ca-cert-file", "", _str, "CA bundle to verify clients with."),
+    _opt("tls-auth-clients", "no", _choice("yes", "no", "optional"),
+         "Require client certificates."),
+    # limits
+    _opt("proto-max-bulk-len", 1024**3, parse_size, "Largest bulk argument.", mutable=True,
+         **_SIZE),
+    _opt("max-multibulk-len", 1024 * 1024, _int(1, 2**31 - 1), "Most arguments in a command.",
+         mutable=True),
+    _opt("client-query-buffer-limit", 1024**3, parse_size,
+         "Most bytes of unexecuted commands buffered per client.", mutable=True, **_SIZE),
+    _opt("shutdown-timeout", 10, _int(0, 3600),
+         "Seconds in-flight commands get to finish on shutdown.", mutable=True),
+    _opt("slowlog-log-slower-than", 10000, _int(-1, 10**12),
+         "Microseconds above which a command is logged (-1 disables).", mutable=True),
+    _opt("slowlog-max-len", 128, _int(0, 10**6), "Slow log entries kept.", mutable=True),
+    # process
+    _opt("loglevel", "notice", _choice("debug", "verbose", "notice", "warning"),
+         "Log level.", mutable=True),
+    _opt("data-dir", "./kvstrata-data", _str, "Folder for persistent tiers."),
+    # KV store
+    _opt("chunk-tokens", 256, _int(1, 1 << 20), "Default tokens per chunk (KV.MATCHTOKENS)."),
+    _opt("lease-ttl", 30000, _int(1, 86_400_000), "Default lease lifetime in ms.",
+         mutable=True),
+    _opt("dram-capacity", 1024**3, parse_size, "Size of the shared-memory DRAM arena.", **_SIZE),
+    _opt("dram-high-watermark", 0.95, _ratio, "Demote from DRAM above this fill ratio.",
+         mutable=True),
+    _opt("dram-low-watermark", 0.85, _ratio, "…down to this fill ratio.", mutable=True),
+    _opt("dram-pin", "auto", _choice("auto", "yes", "no"),
+         "Register the arena with cudaHostRegister when CUDA exists."),
+    _opt("dram-pin-quota", 0, parse_size, "Most bytes to pin (0 = the whole arena).", **_SIZE),
+    _opt("nvme-path", "", _str, "Folder of the NVMe tier (default: DATA-DIR/nvme)."),
+    _opt("nvme-capacity", 16 * 1024**3, parse_size, "NVMe tier size (0 disables the tier).",
+         **_SIZE),
+    _opt("nvme-write-policy", "write-back", _choice("write-back", "write-through"),
+         "write-through: every PUT is on disk before it is acknowledged.", mutable=True),
+    _opt("nvme-backend", "auto", _choice("auto", "posix", "kvikio"),
+         "I/O backend: kvikio (GPUDirect Storage) when CUDA works, POSIX otherwise."),
+    _opt("nvme-io-threads", 4, _int(1, 256), "Threads doing NVMe I/O."),
+    _opt("nvme-high-watermark", 0.95, _ratio, "Evict from NVMe above this fill ratio.",
+         mutable=True),
+    _opt("nvme-low-watermark", 0.85, _ratio, "…down to this fill ratio.", mutable=True),
+    _opt("s3-bucket", "", _str, "S3 bucket; empty = no S3 tier."),
+    _opt("s3-endpoint", "", _str, "S3 endpoint URL (MinIO, Ceph…); empty = AWS."),
+    _opt("s3-region", "us-east-1", _str, "S3 region."),
+    _opt("s3-prefix", "kvstrata", _str, "Key prefix inside the bucket."),
+    _opt("s3-write-policy", "write-back", _choice("write-back", "write-through"),
+         "write-through: PUTs are uploaded at once so other nodes see them.", mutable=True),
+    _opt("s3-max-connections", 16, _int(1, 1024), "Parallel S3 requests."),
+    _opt("s3-timeout", 10.0, float, "Seconds per S3 request before it counts as failed."),
+    _opt("gpu-device", 0, _int(0, 64), "CUDA device of the GPU tier."),
+    _opt("gpu-capacity", 0, parse_size, "GPU pool size (0 disables the GPU tier).", **_SIZE),
+    _opt("prefetch-queue", 1024, _int(1, 10**6), "Most queued prefetch requests."),
+    _opt("prefetch-concurrency", 4, _int(1, 256), "Chunks promoted at once by prefetch."),
+    _opt("prefetch-bandwidth", 0, parse_size, "Prefetch byte budget per second (0 = no cap).",
+         mutable=True, **_SIZE),
+)  # fmt: skip
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def _attr(name: str) -> str:
+    return name.replace("-", "_")
+
+
+@dataclass(slots=True)
+class Config:
+    """Resolved settings; attribute names are the dashed names with underscores."""
+
+    values: dict[str, Any]
+
+    def __getattr__(self, attr: str) -> Any:
+        try:
+            return self.values[attr.replace("_", "-")]
+        except KeyError:
+            raise AttributeError(attr) from None
+
+    def get(self, name: str) -> Any:
+        return self.values[name]
+
+    def set(self, name: str, raw: Any) -> None:
+        """Validate and set (CONFIG SET); raises ConfigError."""
+        opt = _BY_NAME.get(name)
+        if opt is None:
+            raise ConfigError(f"Unknown option or number of arguments for CONFIG SET - '{name}'")
+        if not opt.mutable:
+            raise ConfigError(f"CONFIG SET failed (possibly related to argument '{name}') - "
+                              "can't set immutable config")
+        self.values[name] = _parse(opt, raw)
+        _check(self.values)
+
+    def render(self, name: str) -> str:
+        """The value as CONFIG GET prints it."""
+        return _BY_NAME[name].fmt(self.values[name]) if name in _BY_NAME else ""
+
+    def items(self) -> list[tuple[str, str]]:
+        return [(o.name, o.fmt(self.values[o.name])) for o in OPTIONS]
+
+    @property
+    def nvme_dir(self) -> Path:
+        return Path(self.values["nvme-path"] or Path(self.values["data-dir"]) / "nvme")
+
+    @property
+    def binds(self) -> list[str]:
+        return str(self.values["bind"]).split()
+
+
+def _parse(opt: Option, raw: Any) -> Any:
+    try:
+        return opt.parse(raw)
+    except ValueError as exc:
+        raise ConfigError(f"invalid value for '{opt.name}': {exc}") from None
+
+
+def _check(values: Mapping[str, Any]) -> None:
+    for tier in ("dram", "nvme"):
+        lo, hi = values[f"{tier}-low-watermark"], values[f"{tier}-high-watermark"]
+        if lo > hi:
+            raise ConfigError(f"invalid value for '{tier}-low-watermark': {lo} is above "
+                              f"{tier}-high-watermark ({hi})")
+    if values["tls-port"] and not (values["tls-cert-file"] and values["tls-key-file"]):
+        raise ConfigError("invalid value for 'tls-port': needs tls-cert-file and tls-key-file")
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | Path | None = None,
+) -> Config:
+    """Resolve defaults < TOML file < environment < flags. Keys in ``flags`` are dashed."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {o.name: o.default for o in OPTIONS}
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if config_file:
+        path = Path(config_file)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        layers.append((f"{path}", {k.replace("_", "-"): v for k, v in data.items()}))
+    prefix = "KVSTRATA_"
+    layers.append(("environment", {
+        k[len(prefix):].lower().replace("_", "-"): v for k, v in env.items()
+        if k.startswith(prefix) and k not in ("KVSTRATA_CONFIG",)
+    }))  # fmt: skip
+    layers.append(("command line", dict(flags or {})))
+    for source, layer in layers:
+        for name, raw in layer.items():
+            if raw is None:
+                continue
+            opt = _BY_NAME.get(name)
+            if opt is None:
+                if source == "environment":
+                    continue  # foreign KVSTRATA_* variables are not ours to judge
+                raise ConfigError(f"unknown key '{name}' in {source}")
+            values[name] = _parse(opt, raw)
+    _check(values)
+    return Config(values)
+
+
+def render_markdown() -> str:
+    lines = [
+        "# Configuration",
+        "",
+        "Generated by `python -m kvstrata.config`; `tests/test_docs.py` fails when stale.",
+        "",
+        "Every key can be given as a flag (`kvstrata serve --dram-capacity 4GiB`), an environment",
+        "variable (`KVSTRATA_DRAM_CAPACITY=4GiB`) or a key of the TOML file passed with",
+        "`--config` (`dram-capacity = \"4GiB\"`); flags win over the environment, which wins over",
+        "the file. `CONFIG GET *` lists them all; keys marked *runtime* can be changed with",
+        "`CONFIG SET`. Sizes take B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB (powers",
+        "of 1000).",
+        "",
+        "| key | default | runtime | meaning |",
+        "|---|---|---|---|",
+    ]
+    for o in OPTIONS:
+        default = o.fmt(o.default) if o.default != "" else "(empty)"
+        lines.append(f"| `{o.name}` | `{default}` | {'yes' if o.mutable else ''} | {o.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+def option_names() -> list[str]:
+    return [o.name for o in OPTIONS]
+
+
+def option(name: str) -> Option | None:
+    return _BY_NAME.get(name)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(render_markdown(), end="")
+
+__all__ = ["OPTIONS", "Config", "ConfigError", "fields", "load_config", "parse_size"]
