@@ -90,3 +90,21 @@ class Ctx(Protocol):
 
     def send_push(self, value: Any) -> None:
         """Write an out-of-band reply (MONITOR lines)."""
+
+
+@dataclass(slots=True)
+class ServerStats:
+    """Counters for INFO stats (reset by CONFIG RESETSTAT)."""
+
+    total_connections_received: int = 0
+    total_commands_processed: int = 0
+    rejected_connections: int = 0
+    total_net_input_bytes: int = 0
+    total_net_output_bytes: int = 0
+    total_error_replies: int = 0
+    protocol_errors: int = 0
+    unexpected_errors: int = 0
+
+    def reset(self) -> None:
+        for name in self.__slots__:  # type: ignore[attr-defined]
+            setattr(self, name, 0)
