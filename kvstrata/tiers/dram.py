@@ -1,0 +1,336 @@
+"""The DRAM tier: one pre-touched arena in POSIX shared memory, optionally CUDA-pinned.
+
+The arena is created once (``/dev/shm/{prefix}-{pid}-{n}``), written to page by page at start
+so later copies run at memcpy speed instead of page-fault speed, and carved by an
+:class:`~kvstrata.tiers.alloc.OffsetAllocator` into 4096-aligned slots. Other processes map it
+by name (``regions()``) and read a chunk at its ``handle()`` offset without a copy.
+
+Chunk table: committed chunks map key → slot; reserved slots (``reserve``, not yet
+``commit``-ed) are kept apart and are invisible to ``get``/``view``/``has``/``contains``.
+Replacing a chunk (``put`` or ``commit`` of a key already present) publishes the new slot and
+frees the old one at once; the memory of a replaced or deleted chunk may be handed out again
+immediately, so a ``view()`` stays valid only while the store keeps the chunk pinned.
+
+Everything here runs on the event loop without awaiting: a copy of a 32 MiB chunk is a few
+milliseconds of memcpy.
+
+Python 3.11's resource tracker would unlink the segment when *any* process that attached it
+exits; the tier unregisters it after creating it and unlinks it itself on ``close()`` (or at
+interpreter exit). Processes that attach by name must unregister it too (see
+``tests/test_dram.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import numpy as np
+
+from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.tiers import _cuda
+from kvstrata.tiers.alloc import OffsetAllocator
+from kvstrata.tiers.base import (
+    Buffer,
+    ChunkMissing,
+    Handle,
+    MemoryTier,
+    Region,
+    TierError,
+    TierFull,
+    TierUnavailable,
+    register_tier,
+)
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+_TOUCH_STEP = 64 * 1024 * 1024
+_arena_numbers = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class DramConfig:
+    """Settings of the DRAM arena (``dram-*`` options)."""
+
+    capacity: int = 1024**3
+    name_prefix: str = "kvstrata"
+    pin: str = "auto"  # auto | yes | no
+    pin_quota: int = 0  # most bytes to pin; 0 = the whole arena
+    region: str = "dram0"  # region id in handles and KV.REGIONS
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> DramConfig:
+        """Build from a :class:`kvstrata.config.Config`."""
+        return cls(capacity=cfg.dram_capacity, pin=cfg.dram_pin, pin_quota=cfg.dram_pin_quota)
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    offset: int
+    length: int
+    meta: ChunkMeta | None  # None while reserved
+
+
+def _byte_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _unlink_shm(name: str) -> None:
+    """Unlink ``/dev/shm/{name}`` (attaching registers it with the tracker, unlink unregisters)."""
+    try:
+        shm = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    shm.close()
+    shm.unlink()
+
+
+class DramTier(MemoryTier):
+    """Chunks in one shared-memory arena; see the module docstring."""
+
+    name = "dram"
+
+    def __init__(self, config: DramConfig) -> None:
+        super().__init__()
+        if config.capacity <= 0:
+            raise TierUnavailable(f"dram capacity must be positive, got {config.capacity}")
+        if config.pin not in ("auto", "yes", "no"):
+            raise TierUnavailable(f"dram pin must be auto, yes or no, got {config.pin!r}")
+        self.config = config
+        self.region_name = config.region
+        size = (config.capacity + PAGE - 1) // PAGE * PAGE
+        shm_name = f"{config.name_prefix}-{os.getpid()}-{next(_arena_numbers)}"
+        try:
+            self._shm = shared_memory.SharedMemory(name=shm_name, create=True, size=size)
+        except OSError as exc:
+            raise TierUnavailable(
+                f"cannot create shared memory {shm_name} ({size} B): {exc}"
+            ) from exc
+        resource_tracker.unregister(f"/{self._shm.name}", "shared_memory")
+        self._finalizer = weakref.finalize(self, _unlink_shm, self._shm.name)
+        buf = self._shm.buf
+        assert buf is not None
+        self._buf: memoryview = buf
+        self._alloc = OffsetAllocator(size)
+        self._chunks: dict[ChunkKey, _Slot] = {}
+        self._reserved: dict[ChunkKey, _Slot] = {}
+        self._closed = False
+        started = time.perf_counter()
+        self._pretouch()
+        self.touch_seconds = time.perf_counter() - started
+        self._pin_ptr = 0
+        self.pinned, self.pin_reason = self._pin()
+
+    # -- arena setup --------------------------------------------------------------------
+
+    def _pretouch(self) -> None:
+        arena = np.frombuffer(self._buf, dtype=np.uint8)
+        for start in range(0, arena.size, _TOUCH_STEP):
+            arena[start : start + _TOUCH_STEP].fill(0)
+        del arena
+
+    def _pin(self) -> tuple[int, str]:
+        if self.config.pin == "no":
+            return 0, "disabled (dram-pin no)"
+        reason = _cuda.cuda_unavailable_reason()
+        if reason is None:
+            quota = self.config.pin_quota or self._alloc.capacity
+            size = min(quota, self._alloc.capacity) // PAGE * PAGE
+            ptr = int(np.frombuffer(self._buf, dtype=np.uint8).ctypes.data)
+            failure = _cuda.host_register(ptr, size)
+            if failure is None:
+                self._pin_ptr = ptr
+                return size, "cudaHostRegister"
+            reason = failure
+        level = logging.WARNING if self.config.pin == "yes" else logging.INFO
+        log.log(level, "dram arena %s not pinned: %s", self._shm.name, reason)
+        return 0, reason
+
+    # -- capacity -----------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._alloc.capacity
+
+    @property
+    def used(self) -> int:
+        """Bytes of allocated slots (committed and reserved), rounded up to 4096 each."""
+        return self._alloc.used
+
+    def largest_free(self) -> int:
+        return self._alloc.largest_free
+
+    @property
+    def arena_name(self) -> str:
+        return self._shm.name
+
+    # -- synchronous zero-copy primitives -----------------------------------------------
+
+    def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
+        self._check_open()
+        if key in self._reserved:
+            raise TierError(f"dram: chunk {key.hex} already has a pending reservation")
+        offset = self._allocate(nbytes)
+        self._reserved[key] = _Slot(offset, nbytes, None)
+        return self._buf[offset : offset + nbytes]
+
+    def commit(self, meta: ChunkMeta) -> None:
+        self._check_open()
+        slot = self._reserved.get(meta.key)
+        if slot is None:
+            raise ChunkMissing(meta.key)
+        if meta.size != slot.length:
+            raise ValueError(f"commit of {meta.size} bytes into a {slot.length}-byte reservation")
+        del self._reserved[meta.key]
+        self._publish(meta, slot.offset)
+
+    def abort(self, key: ChunkKey) -> None:
+        slot = self._reserved.pop(key, None)
+        if slot is not None and not self._closed:
+            self._alloc.free(slot.offset)
+
+    def view(self, key: ChunkKey) -> memoryview:
+        slot = self._lookup(key)
+        self.stats.hits += 1
+        self.stats.bytes_out += slot.length
+        return self._buf[slot.offset : slot.offset + slot.length]
+
+    def handle(self, key: ChunkKey) -> Handle:
+        slot = self._lookup(key)
+        return Handle(self.region_name, slot.offset, slot.length)
+
+    def reserved_handle(self, key: ChunkKey) -> Handle:
+        slot = self._reserved.get(key)
+        if slot is None:
+            raise ChunkMissing(key)
+        return Handle(self.region_name, slot.offset, slot.length)
+
+    def regions(self) -> list[Region]:
+        return [Region(self.region_name, "shm", self._alloc.capacity, self._shm.name)]
+
+    def has(self, key: ChunkKey) -> bool:
+        return key in self._chunks
+
+    # -- async contract -----------------------------------------------------------------
+
+    async def put(self, meta: ChunkMeta, data: Buffer) -> None:
+        self._check_open()
+        src = _byte_view(data)
+        if src.nbytes != meta.size:
+            raise ValueError(f"payload is {src.nbytes} bytes, meta says {meta.size}")
+        started = time.perf_counter()
+        offset = self._allocate(meta.size)
+        self._buf[offset : offset + meta.size] = src
+        self.stats.seconds_in += time.perf_counter() - started
+        self._publish(meta, offset)
+
+    async def get(self, key: ChunkKey, out: memoryview) -> ChunkMeta:
+        slot = self._lookup(key)
+        dst = _byte_view(out)
+        if dst.nbytes < slot.length:
+            raise ValueError(f"buffer of {dst.nbytes} bytes for a {slot.length}-byte chunk")
+        started = time.perf_counter()
+        dst[: slot.length] = self._buf[slot.offset : slot.offset + slot.length]
+        self.stats.seconds_out += time.perf_counter() - started
+        self.stats.hits += 1
+        self.stats.bytes_out += slot.length
+        assert slot.meta is not None
+        return slot.meta
+
+    async def delete(self, key: ChunkKey) -> bool:
+        slot = self._chunks.pop(key, None)
+        if slot is None:
+            return False
+        self._alloc.free(slot.offset)
+        self.stats.deletes += 1
+        self.stats.chunks = len(self._chunks)
+        return True
+
+    async def contains(self, key: ChunkKey) -> bool:
+        return key in self._chunks
+
+    async def meta(self, key: ChunkKey) -> ChunkMeta | None:
+        slot = self._chunks.get(key)
+        return slot.meta if slot is not None else None
+
+    def info(self) -> dict[str, Any]:
+        a = self._alloc.stats()
+        return {
+            "arena": self._shm.name,
+            "region": self.region_name,
+            "capacity": a.capacity,
+            "used": a.used,
+            "chunks": len(self._chunks),
+            "reserved": len(self._reserved),
+            "fragmentation": round(a.fragmentation, 4),
+            "largest_free": a.largest_free,
+            "free_extents": a.free_extents,
+            "pinned": self.pinned,
+            "pin_reason": self.pin_reason,
+            "pretouch_seconds": round(self.touch_seconds, 3),
+        }
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pin_ptr:
+            _cuda.host_unregister(self._pin_ptr)
+            self._pin_ptr = 0
+        self._chunks.clear()
+        self._reserved.clear()
+        self.stats.chunks = 0
+        self._finalizer.detach()
+        name = self._shm.name
+        try:
+            self._shm.close()
+        except BufferError:
+            # Views are still exported: drop our reference to the mapping (private attribute of
+            # SharedMemory) so it is unmapped with the last view, and close the descriptor.
+            log.warning("dram arena %s: views still held; unmapped when they are freed", name)
+            setattr(self._shm, "_mmap", None)  # noqa: B010
+            self._shm.close()
+        _unlink_shm(name)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailable("dram tier is closed")
+
+    def _allocate(self, nbytes: int) -> int:
+        offset = self._alloc.allocate(nbytes)
+        if offset is None:
+            raise TierFull(
+                f"dram: no free extent of {nbytes} bytes (free {self._alloc.free_bytes}, "
+                f"largest {self._alloc.largest_free})"
+            )
+        return offset
+
+    def _lookup(self, key: ChunkKey) -> _Slot:
+        slot = self._chunks.get(key)
+        if slot is None:
+            self.stats.misses += 1
+            raise ChunkMissing(key)
+        return slot
+
+    def _publish(self, meta: ChunkMeta, offset: int) -> None:
+        old = self._chunks.get(meta.key)
+        self._chunks[meta.key] = _Slot(offset, meta.size, meta)
+        if old is not None:
+            self._alloc.free(old.offset)
+        self.stats.puts += 1
+        self.stats.bytes_in += meta.size
+        self.stats.chunks = len(self._chunks)
+
+
+# Registered by call rather than as a decorator so that type checkers keep the class type.
+register_tier("dram")(DramTier)
