@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
-from kvstrata.clients.codecs import CODECS, get_codec, measure  # noqa: E402
+import torch
+
+from kvstrata.clients.codecs import CODECS, get_codec, measure
 
 SHAPE = (3, 2, 16, 8)  # layers, kv heads, tokens, head dim
 

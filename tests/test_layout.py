@@ -8,9 +8,11 @@ from multiprocessing import shared_memory
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 
-from kvstrata.clients.layout import (  # noqa: E402
+import torch
+
+from kvstrata.clients.layout import (
     ALIGN,
     LAYOUT_VERSION,
     ChunkLayout,
@@ -84,6 +86,7 @@ def test_pack_into_and_unpack_from_shared_memory_without_copies() -> None:
     layout = ChunkLayout(LAYERS, HEADS, DIM, TOKENS, torch.float32, "raw")
     shm = shared_memory.SharedMemory(create=True, size=packed_size(layout) + 4096)
     try:
+        assert shm.buf is not None
         region = shm.buf[4096:]  # a chunk at an offset inside the region
         assert pack_into(region, keys, values) == layout
         view = _byte_view(region)
