@@ -1,0 +1,578 @@
+"""The S3 tier: one object per chunk in any S3-compatible store (AWS S3, MinIO, Ceph) via boto3.
+
+Object names are ``{prefix}/{namespace}/{first two hex of hash}/{hex hash}``; the namespace is
+escaped (``%`` → ``%25``, ``/`` → ``%2F``, and ``.`` in a namespace made only of dots) so it is one
+path segment. User metadata (``x-amz-meta-kvs-*``) carries the parent hash, tokens, codec,
+xxh3-128 checksum, size and a format version; a reader of another format version sees a miss
+and leaves the object alone. ``docs/s3.md`` describes the layout, consistency and failures.
+
+Every boto3 call runs on a bounded executor of ``max_connections`` threads. Reads land in the
+caller's buffer (``readinto`` in steps, short reads checked) and are verified against the
+stored checksum: a mismatch deletes the object and raises :class:`IntegrityError`.
+
+Failures (endpoint down, timeouts, 5xx after botocore's retries) raise :class:`TierIOError`,
+bounded by ``timeout`` per attempt and ``retries``. A failure of the endpoint opens a short
+circuit breaker: for ``retry_after`` seconds calls fail fast without a request, then the next
+call tries again, so the tier recovers by itself when S3 comes back. Misses are remembered for
+``negative_ttl`` seconds (a chain tail probed by every MATCH costs one HEAD, not one per
+MATCH); our own puts invalidate them, including puts that finish while a HEAD is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import quote, unquote
+
+from kvstrata.protocol.errors import CommandError
+from kvstrata.store.keys import ChunkKey, ChunkMeta, validate_namespace
+from kvstrata.tiers.base import (
+    Buffer,
+    ChunkMissing,
+    IntegrityError,
+    Tier,
+    TierError,
+    TierIOError,
+    TierUnavailable,
+    register_tier,
+)
+from kvstrata.tiers.checksum import CHECKSUM_BYTES, checksum
+
+try:
+    import boto3
+    from boto3.exceptions import Boto3Error
+    from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config as BotoConfig
+    from botocore.exceptions import BotoCoreError, ClientError
+except ImportError:  # pragma: no cover - boto3 is the optional [s3] extra
+    HAVE_BOTO3 = False
+else:
+    HAVE_BOTO3 = True
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MiB = 1024 * 1024
+FORMAT_VERSION = "1"
+_READ_STEP = 1 * MiB  # urllib3 copies each readinto through a temporary of this size
+_MIN_PART = 5 * MiB  # S3's smallest multipart part (except the last)
+_MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+_BUSY_CODES = frozenset({"SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError"})
+_M_VERSION, _M_PARENT, _M_TOKENS = "kvs-version", "kvs-parent", "kvs-tokens"
+_M_CODEC, _M_CHECKSUM, _M_SIZE = "kvs-codec", "kvs-checksum", "kvs-size"
+
+
+@dataclass(frozen=True, slots=True)
+class S3Config:
+    """Settings of the S3 tier (``s3-*`` options plus tuning knobs with defaults)."""
+
+    bucket: str
+    endpoint: str = ""  # empty: AWS, resolved by boto3 from the region
+    region: str = "us-east-1"
+    prefix: str = "kvstrata"
+    max_connections: int = 16
+    timeout: float = 10.0  # connect and read timeout of one attempt, seconds
+    retries: int = 2  # attempts after the first (botocore standard retry mode)
+    multipart_threshold: int = 64 * MiB
+    multipart_chunksize: int = 16 * MiB
+    write_policy: str = "write-back"  # kept for INFO; the store applies it
+    negative_ttl: float = 1.5  # seconds a miss is remembered (0 disables)
+    retry_after: float = 1.0  # seconds the breaker fails fast after an endpoint failure
+
+    def __post_init__(self) -> None:
+        if not self.bucket:
+            raise TierUnavailable("s3 tier needs a bucket (s3-bucket)")
+        if self.max_connections < 1 or self.timeout <= 0 or self.retries < 0:
+            raise TierUnavailable("s3: max_connections ≥ 1, timeout > 0, retries ≥ 0")
+        if self.multipart_chunksize < _MIN_PART:
+            raise TierUnavailable(f"s3: multipart_chunksize must be ≥ {_MIN_PART} bytes")
+
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides: Any) -> S3Config:
+        """Build from a :class:`kvstrata.config.Config` (keys ``s3-*``)."""
+        values: dict[str, Any] = {
+            "bucket": cfg.get("s3-bucket"),
+            "endpoint": cfg.get("s3-endpoint"),
+            "region": cfg.get("s3-region"),
+            "prefix": cfg.get("s3-prefix"),
+            "write_policy": cfg.get("s3-write-policy"),
+            "max_connections": cfg.get("s3-max-connections"),
+            "timeout": float(cfg.get("s3-timeout")),
+        }
+        values.update(overrides)
+        return cls(**values)
+
+
+# -- object names and metadata ---------------------------------------------------------------
+
+
+def _escape_namespace(ns: str) -> str:
+    escaped = ns.replace("%", "%25").replace("/", "%2F")
+    return escaped.replace(".", "%2E") if escaped.strip(".") == "" else escaped
+
+
+def object_name(prefix: str, key: ChunkKey) -> str:
+    """``{prefix}/{namespace}/{hh}/{hex}`` (no leading prefix segment when prefix is empty)."""
+    hexhash = key.hex
+    tail = f"{_escape_namespace(key.namespace)}/{hexhash[:2]}/{hexhash}"
+    prefix = prefix.strip("/")
+    return f"{prefix}/{tail}" if prefix else tail
+
+
+def parse_object_name(prefix: str, name: str) -> ChunkKey | None:
+    """The chunk an object name stands for, or None for names we did not write."""
+    prefix = prefix.strip("/")
+    head, _, hexhash = name.rpartition("/")
+    head = head.rpartition("/")[0]
+    if prefix and not head.startswith(prefix + "/"):
+        return None
+    try:
+        ns = validate_namespace(unquote(head[len(prefix) + 1 :] if prefix else head))
+        key = ChunkKey(ns, bytes.fromhex(hexhash))
+    except (CommandError, ValueError):
+        return None
+    return key if 1 <= len(key.hash) <= 64 and object_name(prefix, key) == name else None
+
+
+def encode_metadata(meta: ChunkMeta) -> dict[str, str]:
+    return {
+        _M_VERSION: FORMAT_VERSION,
+        _M_PARENT: meta.parent.hex(),
+        _M_TOKENS: str(meta.tokens),
+        _M_CODEC: quote(meta.codec, safe=""),
+        _M_CHECKSUM: meta.checksum.hex(),
+        _M_SIZE: str(meta.size),
+    }
+
+
+class _Corrupt(Exception):
+    """An object under our names whose metadata or bytes are not what we wrote."""
+
+
+def decode_metadata(key: ChunkKey, md: Mapping[str, str], length: int) -> ChunkMeta | None:
+    """ChunkMeta from user metadata; None for another format version; raises _Corrupt."""
+    version = md.get(_M_VERSION)
+    if version is None:
+        raise _Corrupt("no kvstrata metadata")
+    if version != FORMAT_VERSION:
+        return None
+    try:
+        size, tokens = int(md[_M_SIZE]), int(md[_M_TOKENS])
+        parent, digest = bytes.fromhex(md[_M_PARENT]), bytes.fromhex(md[_M_CHECKSUM])
+        codec = unquote(md[_M_CODEC])
+    except (KeyError, ValueError) as exc:
+        raise _Corrupt(f"bad metadata: {exc!r}") from None
+    if size != length or tokens < 0 or len(digest) != CHECKSUM_BYTES:
+        raise _Corrupt(f"metadata says {size} bytes, object has {length}")
+    return ChunkMeta(key, parent, tokens, size, digest, codec)
+
+
+# -- failure handling and the negative cache -------------------------------------------------
+
+
+def translate_error(exc: Exception, what: str) -> tuple[TierError, bool]:
+    """The tier error for a boto3/botocore failure, and whether the endpoint itself failed."""
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if code in _MISSING_CODES:
+            return ChunkMissing(what), False
+        down = status >= 500 or code in _BUSY_CODES
+        return TierIOError(f"s3 {what}: {code or status} {err.get('Message', '')}".strip()), down
+    return TierIOError(f"s3 {what}: {type(exc).__name__}: {exc}"), True
+
+
+class NegativeCache:
+    """Recent misses, invalidated by our own writes (even ones racing an in-flight HEAD).
+
+    A lookup records ``seq()`` before its request; ``miss(key, since)`` then refuses to cache
+    when a write of that key finished after ``since``. Writes are remembered in a bounded
+    history; when entries newer than ``since`` may have been dropped from it, nothing is cached.
+    """
+
+    def __init__(self, ttl: float, limit: int = 65536) -> None:
+        self.ttl, self.limit = ttl, limit
+        self._misses: OrderedDict[ChunkKey, float] = OrderedDict()
+        self._writes: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._seq = 0
+        self._dropped_upto = 0
+
+    def __len__(self) -> int:
+        return len(self._misses)
+
+    def seq(self) -> int:
+        return self._seq
+
+    def hit(self, key: ChunkKey) -> bool:
+        expires = self._misses.get(key)
+        if expires is None:
+            return False
+        if expires > time.monotonic():
+            return True
+        del self._misses[key]
+        return False
+
+    def miss(self, key: ChunkKey, since: int) -> None:
+        if self.ttl <= 0 or self._dropped_upto > since or self._writes.get(key, 0) > since:
+            return
+        now = time.monotonic()
+        self._misses[key] = now + self.ttl
+        self._misses.move_to_end(key)
+        while self._misses and (
+            len(self._misses) > self.limit or next(iter(self._misses.values())) <= now
+        ):
+            self._misses.popitem(last=False)
+
+    def wrote(self, key: ChunkKey) -> None:
+        self._seq += 1
+        self._misses.pop(key, None)
+        self._writes[key] = self._seq
+        self._writes.move_to_end(key)
+        while len(self._writes) > self.limit:
+            _, seq = self._writes.popitem(last=False)
+            self._dropped_upto = max(self._dropped_upto, seq)
+
+
+class _Breaker:
+    """Fail fast for ``retry_after`` seconds after the endpoint failed; then try again."""
+
+    def __init__(self, retry_after: float) -> None:
+        self.retry_after = retry_after
+        self.until = 0.0
+        self.trips = 0
+        self.rejected = 0
+        self.last_error = ""
+
+    @property
+    def open(self) -> bool:
+        return time.monotonic() < self.until
+
+    def check(self) -> None:
+        if self.open:
+            self.rejected += 1
+            raise TierIOError(
+                f"s3 unavailable ({self.last_error}); retrying in "
+                f"{max(0.0, self.until - time.monotonic()):.1f} s"
+            )
+
+    def trip(self, error: str) -> None:
+        if not self.open:
+            self.trips += 1
+            log.warning(
+                "s3: endpoint failed (%s); failing fast for %.1f s", error, self.retry_after
+            )
+        self.last_error = error
+        self.until = time.monotonic() + self.retry_after
+
+
+# -- the tier ----------------------------------------------------------------------------
+
+
+class S3Tier(Tier):
+    """Chunks as S3 objects; see the module docstring. Capacity is unbounded (0)."""
+
+    name = "s3"
+    persistent = True
+
+    def __init__(self, config: S3Config) -> None:
+        super().__init__()
+        if not HAVE_BOTO3:
+            raise TierUnavailable("s3 tier needs boto3: pip install 'kvstrata[s3]'")
+        self.config = config
+        self.prefix = config.prefix.strip("/")
+        self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix="kvstrata-s3")
+        self._concurrency = min(4, config.max_connections)  # parts of one multipart upload
+        boto_config = BotoConfig(
+            region_name=config.region,
+            max_pool_connections=config.max_connections + self._concurrency,
+            connect_timeout=config.timeout,
+            read_timeout=config.timeout,
+            retries={"mode": "standard", "total_max_attempts": config.retries + 1},
+            # Our own xxh3 checksum covers the bytes; CRC trailers break older S3 clones.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            s3={"addressing_style": "path"} if config.endpoint else None,
+        )
+        # Credentials come from boto3's standard chain (env, files, IMDS); never logged.
+        self._client = boto3.session.Session().client(
+            "s3", endpoint_url=config.endpoint or None, config=boto_config
+        )
+        self._transfer = TransferConfig(
+            multipart_threshold=config.multipart_threshold,
+            multipart_chunksize=config.multipart_chunksize,
+            max_concurrency=self._concurrency,
+        )
+        self._negative = NegativeCache(config.negative_ttl)
+        self._breaker = _Breaker(config.retry_after)
+        self._sizes: dict[ChunkKey, int] = {}  # objects we know of: put, read or scanned
+        self._used = 0
+        self._closed = False
+        self.stats.extra.update(negative_hits=0, multipart_puts=0)
+
+    @property
+    def capacity(self) -> int:
+        return 0
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    # -- async contract -------------------------------------------------------------------
+
+    async def put(self, meta: ChunkMeta, data: Buffer) -> None:
+        nbytes = memoryview(data).nbytes
+        if nbytes != meta.size:
+            raise ValueError(f"payload is {nbytes} bytes, meta says {meta.size}")
+        name = object_name(self.prefix, meta.key)
+        started = time.perf_counter()
+        self._negative.wrote(meta.key)
+        if nbytes >= self.config.multipart_threshold:
+            self.stats.extra["multipart_puts"] += 1
+        try:
+            await self._call("put", self._put_blocking, name, data, encode_metadata(meta))
+        finally:
+            self._negative.wrote(meta.key)  # a HEAD that raced the upload must not cache a miss
+        self.stats.seconds_in += time.perf_counter() - started
+        self.stats.puts += 1
+        self.stats.bytes_in += meta.size
+        self._remember(meta.key, meta.size)
+
+    async def get(self, key: ChunkKey, out: memoryview) -> ChunkMeta:
+        if self._negative.hit(key):
+            self.stats.extra["negative_hits"] += 1
+            self.stats.misses += 1
+            raise ChunkMissing(key)
+        since, started = self._negative.seq(), time.perf_counter()
+        try:
+            md, length, digest = await self._call(
+                "get", self._get_blocking, object_name(self.prefix, key), out
+            )
+        except ChunkMissing:
+            self._missed(key, since)
+            raise
+        try:
+            meta = decode_metadata(key, md, length)
+            if meta is not None and digest != meta.checksum:
+                raise _Corrupt(f"checksum {digest.hex()} != stored {meta.checksum.hex()}")
+        except _Corrupt as exc:
+            await self._quarantine(key, str(exc))
+            raise IntegrityError(f"s3 chunk {key.namespace}/{key.hex}: {exc}") from None
+        if meta is None:
+            self._missed(key, since)
+            raise ChunkMissing(key)
+        self.stats.seconds_out += time.perf_counter() - started
+        self.stats.hits += 1
+        self.stats.bytes_out += length
+        self._remember(key, length)
+        return meta
+
+    async def delete(self, key: ChunkKey) -> bool:
+        since = self._negative.seq()
+        try:
+            existed = await self._head(key) is not None
+        except _Corrupt:
+            existed = True
+        if existed:
+            await self._call("delete", self._client.delete_object, **self._loc(key))
+            self.stats.deletes += 1
+        self._forget(key)
+        self._negative.miss(key, since)
+        return existed
+
+    async def contains(self, key: ChunkKey) -> bool:
+        return await self.meta(key) is not None
+
+    async def meta(self, key: ChunkKey) -> ChunkMeta | None:
+        if self._negative.hit(key):
+            self.stats.extra["negative_hits"] += 1
+            return None
+        since = self._negative.seq()
+        try:
+            meta = await self._head(key)
+        except _Corrupt as exc:
+            await self._quarantine(key, str(exc))
+            return None
+        if meta is None:
+            self._missed(key, since)
+        else:
+            self._remember(key, meta.size)
+        return meta
+
+    async def contains_many(self, keys: Iterable[ChunkKey]) -> list[bool]:
+        """Presence of each key, at most ``max_connections`` HEADs in flight for this call."""
+        keys = list(keys)
+        window = self.config.max_connections
+        found: list[bool] = []
+        for start in range(0, len(keys), window):
+            part = keys[start : start + window]
+            found.extend(await asyncio.gather(*(self.contains(k) for k in part)))
+        return found
+
+    async def match_length(self, keys: Sequence[ChunkKey]) -> int:
+        """Length of the longest present prefix of a hash chain; stops probing at the first
+        window holding a miss (for cross-node KV.MATCH)."""
+        window = self.config.max_connections
+        for start in range(0, len(keys), window):
+            found = await asyncio.gather(*(self.contains(k) for k in keys[start : start + window]))
+            if not all(found):
+                return start + found.index(False)
+        return len(keys)
+
+    async def scan_keys(self) -> AsyncIterator[tuple[ChunkKey, int]]:
+        """(key, size) of every object under the prefix, from listings only (no HEADs)."""
+        token: str | None = None
+        while True:
+            page, token = await self._call("list", self._list_blocking, token)
+            for name, size in page:
+                key = parse_object_name(self.prefix, name)
+                if key is not None:
+                    yield key, size
+            if token is None:
+                return
+
+    async def scan(self) -> AsyncIterator[ChunkMeta]:
+        """Metadata of every chunk under the prefix (one HEAD per object: slow for big buckets)."""
+        batch: list[ChunkKey] = []
+        async for key, _size in self.scan_keys():
+            batch.append(key)
+            if len(batch) >= self.config.max_connections:
+                for meta in await asyncio.gather(*(self.meta(k) for k in batch)):
+                    if meta is not None:
+                        yield meta
+                batch.clear()
+        for meta in await asyncio.gather(*(self.meta(k) for k in batch)):
+            if meta is not None:
+                yield meta
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "endpoint": cfg.endpoint or f"aws:{cfg.region}",
+            "bucket": cfg.bucket,
+            "prefix": self.prefix,
+            "write_policy": cfg.write_policy,
+            "max_connections": cfg.max_connections,
+            "timeout": cfg.timeout,
+            "multipart_threshold": cfg.multipart_threshold,
+            "known_objects": len(self._sizes),
+            "negative_cache": len(self._negative),
+            "breaker": "open" if self._breaker.open else "closed",
+            "breaker_trips": self._breaker.trips,
+            "breaker_rejections": self._breaker.rejected,
+            "format_version": FORMAT_VERSION,
+        }
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        self._client.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    async def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking boto3 call on the pool; map failures to tier errors."""
+        if self._closed:
+            raise TierUnavailable("s3 tier is closed")
+        try:
+            self._breaker.check()
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        except TierIOError:
+            self.stats.errors += 1
+            raise
+        except (ClientError, BotoCoreError, Boto3Error, OSError) as exc:
+            err, endpoint_failed = translate_error(exc, what)
+            if endpoint_failed:
+                self._breaker.trip(str(err))
+            if isinstance(err, TierIOError):
+                self.stats.errors += 1
+            raise err from exc
+
+    def _loc(self, key: ChunkKey) -> dict[str, str]:
+        return {"Bucket": self.config.bucket, "Key": object_name(self.prefix, key)}
+
+    async def _head(self, key: ChunkKey) -> ChunkMeta | None:
+        """HEAD → metadata, None when absent or of another format; raises _Corrupt."""
+        try:
+            resp = await self._call("head", self._client.head_object, **self._loc(key))
+        except ChunkMissing:
+            return None
+        return decode_metadata(key, resp.get("Metadata", {}), int(resp["ContentLength"]))
+
+    def _put_blocking(self, name: str, data: Buffer, metadata: dict[str, str]) -> None:
+        bucket = self.config.bucket
+        if memoryview(data).nbytes >= self.config.multipart_threshold:
+            self._client.upload_fileobj(
+                io.BytesIO(data), bucket, name, ExtraArgs={"Metadata": metadata},
+                Config=self._transfer,
+            )  # fmt: skip
+        else:
+            body = data if isinstance(data, bytes | bytearray) else bytes(data)  # boto3: no views
+            self._client.put_object(Bucket=bucket, Key=name, Body=body, Metadata=metadata)
+
+    def _get_blocking(self, name: str, out: memoryview) -> tuple[Mapping[str, str], int, bytes]:
+        resp = self._client.get_object(Bucket=self.config.bucket, Key=name)
+        body = resp["Body"]
+        try:
+            length = int(resp["ContentLength"])
+            dst = memoryview(out).cast("B")
+            if dst.nbytes < length:
+                raise ValueError(f"buffer of {dst.nbytes} bytes for a {length}-byte chunk")
+            filled = 0
+            while filled < length:
+                n = body.readinto(dst[filled : min(length, filled + _READ_STEP)])
+                if not n:
+                    raise TierIOError(f"s3 get {name}: short read, {filled} of {length} bytes")
+                filled += n
+            return resp.get("Metadata", {}), length, checksum(dst[:length])
+        finally:
+            body.close()
+
+    def _list_blocking(self, token: str | None) -> tuple[list[tuple[str, int]], str | None]:
+        args = {"Bucket": self.config.bucket, "Prefix": f"{self.prefix}/" if self.prefix else ""}
+        if token:
+            args["ContinuationToken"] = token
+        resp = self._client.list_objects_v2(**args)
+        page = [(o["Key"], int(o["Size"])) for o in resp.get("Contents", [])]
+        return page, resp.get("NextContinuationToken") if resp.get("IsTruncated") else None
+
+    async def _quarantine(self, key: ChunkKey, why: str) -> None:
+        """Drop a corrupt object (best effort) and count it."""
+        self.stats.integrity_errors += 1
+        log.warning("s3: chunk %s/%s is corrupt (%s); deleting it", key.namespace, key.hex, why)
+        since = self._negative.seq()
+        try:
+            await self._call("delete", self._client.delete_object, **self._loc(key))
+        except TierError as exc:
+            log.warning("s3: could not delete corrupt chunk %s: %s", key.hex, exc)
+        self._forget(key)
+        self._negative.miss(key, since)
+
+    def _missed(self, key: ChunkKey, since: int) -> None:
+        self.stats.misses += 1
+        self._negative.miss(key, since)
+        self._forget(key)
+
+    def _remember(self, key: ChunkKey, size: int) -> None:
+        self._used += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+        self.stats.chunks = len(self._sizes)
+
+    def _forget(self, key: ChunkKey) -> None:
+        self._used -= self._sizes.pop(key, 0)
+        self.stats.chunks = len(self._sizes)
+
+
+# Registered by call rather than as a decorator so that type checkers keep the class type.
+register_tier("s3")(S3Tier)
