@@ -1,0 +1,589 @@
+"""Server commands: INFO CONFIG COMMAND TIME SLOWLOG MONITOR SHUTDOWN.
+
+INFO reports ``redis_version:7.2.0`` (the Redis compatibility level clients check) next to
+``kvstrata_version``, and appends every section the store reports (``tiers``,
+``persistence``…). COMMAND answers from the command table, so COMMAND DOCS and
+``docs/commands.md`` come from the same definitions as dispatch.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+import time
+from typing import Any
+
+import kvstrata
+from kvstrata.config import ConfigError, option
+from kvstrata.protocol.errors import CommandError, syntax_error
+from kvstrata.protocol.frames import OK
+from kvstrata.server.commands.connection import (
+    REDACTED,
+    REDIS_COMPAT_VERSION,
+    arg_bytes,
+    arg_text,
+    arg_upper,
+    help_reply,
+    parse_int,
+)
+from kvstrata.server.context import Ctx
+from kvstrata.server.registry import Arg, Args, CommandSpec, CommandTable, Reply, command, container
+from kvstrata.store.glob import glob_match
+
+_ADMIN = "admin noscript loading stale"
+Fields = list[tuple[str, object]]
+
+
+# -- INFO --------------------------------------------------------------------------------------
+def human_bytes(n: int) -> str:
+    """Redis's ``bytesToHuman``: 1023B, 1.00K, 2.50M, 1.00G…"""
+    for unit, size in (("P", 1024**5), ("T", 1024**4), ("G", 1024**3), ("M", 1024**2)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n / 1024:.2f}K" if n >= 1024 else f"{n}B"
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return ",".join(f"{k}={_fmt(v)}" for k, v in value.items())
+    return str(value)
+
+
+def _server_fields(ctx: Ctx) -> Fields:
+    srv = ctx.server
+    uptime = int(time.time() - srv.start_time)
+    return [
+        ("redis_version", REDIS_COMPAT_VERSION),
+        ("kvstrata_version", kvstrata.__version__),
+        ("redis_mode", "standalone"),
+        ("os", f"{platform.system()} {platform.release()} {platform.machine()}"),
+        ("arch_bits", 64 if sys.maxsize > 2**32 else 32),
+        ("multiplexing_api", "asyncio"),
+        ("python_version", platform.python_version()),
+        ("process_id", os.getpid()),
+        ("run_id", srv.run_id),
+        ("tcp_port", srv.port),
+        ("server_time_usec", time.time_ns() // 1000),
+        ("uptime_in_seconds", uptime),
+        ("uptime_in_days", uptime // 86400),
+        ("hz", 10),
+        ("executable", os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""),
+        ("config_file", srv.config_file),
+    ]
+
+
+def _memory_fields(ctx: Ctx) -> Fields:
+    used = ctx.server.used_memory()
+    maxmemory = int(ctx.server.config.get("dram-capacity"))
+    return [
+        ("used_memory", used),
+        ("used_memory_human", human_bytes(used)),
+        ("used_memory_rss", used),
+        ("used_memory_rss_human", human_bytes(used)),
+        ("maxmemory", maxmemory),
+        ("maxmemory_human", human_bytes(maxmemory)),
+    ]
+
+
+def _stats_fields(ctx: Ctx) -> Fields:
+    stats, ks = ctx.server.stats, ctx.server.keyspace
+    return [
+        ("total_connections_received", stats.total_connections_received),
+        ("total_commands_processed", stats.total_commands_processed),
+        ("total_net_input_bytes", stats.total_net_input_bytes),
+        ("total_net_output_bytes", stats.total_net_output_bytes),
+        ("rejected_connections", stats.rejected_connections),
+        ("expired_keys", ks.expired_keys),
+        ("keyspace_hits", ks.hits),
+        ("keyspace_misses", ks.misses),
+        ("total_error_replies", stats.total_error_replies),
+        ("protocol_errors", stats.protocol_errors),
+        ("unexpected_errors", stats.unexpected_errors),
+    ]
+
+
+def _cpu_fields() -> Fields:
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return [
+        ("used_cpu_sys", f"{me.ru_stime:.6f}"),
+        ("used_cpu_user", f"{me.ru_utime:.6f}"),
+        ("used_cpu_sys_children", f"{kids.ru_stime:.6f}"),
+        ("used_cpu_user_children", f"{kids.ru_utime:.6f}"),
+    ]
+
+
+def info_sections(ctx: Ctx) -> dict[str, Fields]:
+    """Every INFO section by lower-case name, in output order (store sections merged in)."""
+    srv = ctx.server
+    ks = srv.keyspace
+    sections: dict[str, Fields] = {
+        "server": _server_fields(ctx),
+        "clients": [
+            ("connected_clients", len(srv.clients)),
+            ("maxclients", srv.config.get("maxclients")),
+            ("blocked_clients", 0),
+            ("monitor_clients", len(srv.monitors)),
+        ],
+        "memory": _memory_fields(ctx),
+        "stats": _stats_fields(ctx),
+        "replication": [("role", "master"), ("connected_slaves", 0)],
+        "cpu": _cpu_fields(),
+    }
+    store_sections = srv.store.info_sections() if srv.store is not None else {}
+    for name, fields in store_sections.items():
+        sections.setdefault(name.lower(), []).extend(fields)
+    keys = len(ks)
+    sections["keyspace"] = (
+        [("db0", f"keys={keys},expires={ks.count_expiring()},avg_ttl=0")] if keys else []
+    )
+    return sections
+
+
+def render_info(sections: dict[str, Fields], wanted: list[str]) -> bytes:
+    """The INFO text for the requested section names (``default``/``all``/``everything``)."""
+    if not wanted or any(w in ("all", "everything", "default") for w in wanted):
+        names = list(sections)
+    else:
+        names = [n for n in sections if n in wanted]
+    parts = []
+    for name in names:
+        lines = [f"# {name.capitalize()}"]
+        lines += [f"{key}:{_fmt(value)}" for key, value in sections[name]]
+        parts.append("\r\n".join(lines) + "\r\n")
+    return "\r\n".join(parts).encode()
+
+
+@command(
+    "INFO",
+    -1,
+    "loading stale",
+    group="server",
+    summary="Returns information and statistics about the server, including the store's tiers.",
+    complexity="O(1)",
+    arguments=(Arg("section", "string", optional=True, multiple=True),),
+    reply="Bulk string: `# Section` headers and `field:value` lines ending in CRLF.",
+)
+def info(ctx: Ctx, args: Args) -> Reply:
+    wanted = [arg_text(a).lower() for a in args[1:]]
+    return render_info(info_sections(ctx), wanted)
+
+
+# -- CONFIG ------------------------------------------------------------------------------------
+container("CONFIG", group="server", summary="A container for server configuration commands.")
+
+
+@command(
+    "CONFIG|GET",
+    -3,
+    _ADMIN,
+    group="server",
+    summary="Returns the effective values of configuration parameters (glob patterns). A "
+    "secret (requirepass) is only returned when asked for by its exact name.",
+    complexity="O(N) when N is the number of configuration parameters provided",
+    arguments=(Arg("parameter", "string", multiple=True),),
+    reply="Map of parameter names to values.",
+)
+def config_get(ctx: Ctx, args: Args) -> Reply:
+    config = ctx.server.config
+    out: dict[str, str] = {}
+    for raw in args[2:]:
+        pattern = arg_bytes(raw).lower()
+        for name, value in config.items():
+            if name in out or not glob_match(pattern, name.encode()):
+                continue
+            opt = option(name)
+            if opt is not None and opt.secret and pattern != name.encode():
+                continue
+            out[name] = value
+    return out
+
+
+def _set_error(name: str, exc: ConfigError) -> CommandError:
+    message = str(exc)
+    if message.startswith("invalid value"):
+        message = f"CONFIG SET failed (possibly related to argument '{name}') - {message}"
+    return CommandError(message)
+
+
+@command(
+    "CONFIG|SET",
+    -4,
+    _ADMIN,
+    group="server",
+    summary="Sets configuration parameters at run time, all or none.",
+    complexity="O(N) when N is the number of configuration parameters provided",
+    arguments=(
+        Arg(
+            "data",
+            "block",
+            multiple=True,
+            arguments=(Arg("parameter", "string"), Arg("value", "string")),
+        ),
+    ),
+    reply="Simple string OK.",
+)
+def config_set(ctx: Ctx, args: Args) -> Reply:
+    if len(args) % 2:
+        raise CommandError("wrong number of arguments for 'config|set' command")
+    pairs = [(arg_text(args[i]).lower(), i + 1) for i in range(2, len(args), 2)]
+    names = [n for n, _ in pairs]
+    for name in names:
+        if names.count(name) > 1:
+            raise CommandError(
+                f"CONFIG SET failed (possibly related to argument '{name}') - duplicate parameter"
+            )
+    config = ctx.server.config
+    saved = dict(config.values)
+    try:
+        for name, index in pairs:
+            value = arg_text(args[index])
+            opt = option(name)
+            if opt is not None and opt.secret:
+                args[index] = REDACTED  # keeps secrets out of the slow log
+            try:
+                config.set(name, value)
+            except ConfigError as exc:
+                raise _set_error(name, exc) from None
+    except CommandError:
+        config.values.clear()
+        config.values.update(saved)
+        raise
+    return OK
+
+
+@command(
+    "CONFIG|RESETSTAT",
+    2,
+    _ADMIN,
+    group="server",
+    summary="Resets the server's statistics (INFO stats, keyspace hits and misses).",
+    reply="Simple string OK.",
+)
+def config_resetstat(ctx: Ctx, args: Args) -> Reply:
+    srv = ctx.server
+    srv.stats.reset()
+    srv.keyspace.hits = srv.keyspace.misses = srv.keyspace.expired_keys = 0
+    return OK
+
+
+@command(
+    "CONFIG|HELP",
+    2,
+    "loading stale",
+    group="server",
+    summary="Returns helpful text about the different subcommands.",
+    reply="Array of simple strings.",
+)
+def config_help(ctx: Ctx, args: Args) -> Reply:
+    return help_reply(
+        "CONFIG",
+        [
+            "GET <pattern>",
+            "    Return parameters matching the glob-like <pattern> and their values.",
+            "SET <directive> <value>",
+            "    Set the configuration <directive> to <value>.",
+            "RESETSTAT",
+            "    Reset statistics reported by the INFO command.",
+        ],
+    )
+
+
+# -- COMMAND -----------------------------------------------------------------------------------
+def find_spec(table: CommandTable, name: Any) -> CommandSpec | None:
+    """A command or ``container|sub`` by name (case-insensitive)."""
+    parent, _, sub = arg_bytes(name).lower().partition(b"|")
+    spec = table.lookup(parent)
+    if spec is not None and sub:
+        return spec.subcommands.get(sub.decode("utf-8", "replace").upper())
+    return spec
+
+
+@command(
+    "COMMAND",
+    -1,
+    "loading stale",
+    group="server",
+    summary="Returns detailed information about all commands.",
+    complexity="O(N) where N is the total number of commands",
+    reply="Array of COMMAND INFO entries.",
+)
+def command_(ctx: Ctx, args: Args) -> Reply:
+    return [spec.info() for spec in ctx.server.registry]
+
+
+@command(
+    "COMMAND|COUNT",
+    2,
+    "loading stale",
+    group="server",
+    summary="Returns a count of commands.",
+    reply="Integer: the number of top-level commands.",
+)
+def command_count(ctx: Ctx, args: Args) -> Reply:
+    return len(ctx.server.registry)
+
+
+@command(
+    "COMMAND|INFO",
+    -2,
+    "loading stale",
+    group="server",
+    summary="Returns information about one, multiple or all commands.",
+    complexity="O(N) where N is the number of commands to look up",
+    arguments=(Arg("command-name", "string", optional=True, multiple=True),),
+    reply="Array: one COMMAND INFO entry per name (null for an unknown name).",
+)
+def command_info(ctx: Ctx, args: Args) -> Reply:
+    table = ctx.server.registry
+    if len(args) == 2:
+        return [spec.info() for spec in table]
+    return [None if (s := find_spec(table, a)) is None else s.info() for a in args[2:]]
+
+
+@command(
+    "COMMAND|DOCS",
+    -2,
+    "loading stale",
+    group="server",
+    summary="Returns documentary information about one, multiple or all commands.",
+    complexity="O(N) where N is the number of commands to look up",
+    arguments=(Arg("command-name", "string", optional=True, multiple=True),),
+    reply="Map of command names to their docs (unknown names are left out).",
+)
+def command_docs(ctx: Ctx, args: Args) -> Reply:
+    table = ctx.server.registry
+    if len(args) == 2:
+        return {spec.wire_name: spec.docs() for spec in table}
+    out: dict[str, Any] = {}
+    for name in args[2:]:
+        spec = find_spec(table, name)
+        if spec is not None:
+            out[spec.wire_name] = spec.docs()
+    return out
+
+
+def _all_names(table: CommandTable) -> list[tuple[str, CommandSpec]]:
+    out = []
+    for spec in table:
+        out.append((spec.wire_name, spec))
+        out += [(sub.wire_name, sub) for sub in spec.subcommands.values()]
+    return out
+
+
+@command(
+    "COMMAND|LIST",
+    -2,
+    "loading stale",
+    group="server",
+    summary="Returns a list of command names (subcommands as container|sub).",
+    complexity="O(N) where N is the total number of commands",
+    arguments=(
+        Arg(
+            "filterby",
+            "oneof",
+            optional=True,
+            token="FILTERBY",
+            arguments=(
+                Arg("module-name", "string", token="MODULE"),
+                Arg("category", "string", token="ACLCAT"),
+                Arg("pattern", "pattern", token="PATTERN"),
+            ),
+        ),
+    ),
+    reply="Array of command names.",
+)
+def command_list(ctx: Ctx, args: Args) -> Reply:
+    names = _all_names(ctx.server.registry)
+    if len(args) == 2:
+        return [name for name, _ in names]
+    if len(args) != 5 or arg_upper(args[2]) != b"FILTERBY":
+        raise syntax_error()
+    kind, value = arg_upper(args[3]), arg_bytes(args[4])
+    if kind == b"PATTERN":
+        return [n for n, _ in names if glob_match(value.lower(), n.encode())]
+    if kind == b"ACLCAT":
+        category = value.decode("utf-8", "replace").lower().lstrip("@")
+        return [n for n, spec in names if spec.group == category]
+    if kind == b"MODULE":
+        return []
+    raise syntax_error()
+
+
+@command(
+    "COMMAND|HELP",
+    2,
+    "loading stale",
+    group="server",
+    summary="Returns helpful text about the different subcommands.",
+    reply="Array of simple strings.",
+)
+def command_help(ctx: Ctx, args: Args) -> Reply:
+    return help_reply(
+        "COMMAND",
+        [
+            "(no subcommand)",
+            "    Return details about all commands.",
+            "COUNT",
+            "    Return the total number of commands in this server.",
+            "LIST [FILTERBY (MODULE <module-name>|ACLCAT <category>|PATTERN <pattern>)]",
+            "    Return a list of all commands in this server.",
+            "INFO [<command-name> ...]",
+            "    Return details about multiple commands.",
+            "DOCS [<command-name> ...]",
+            "    Return documentation details about multiple commands.",
+        ],
+    )
+
+
+# -- TIME SLOWLOG MONITOR SHUTDOWN ----------------------------------------------------------
+@command(
+    "TIME",
+    1,
+    "loading stale fast",
+    group="server",
+    summary="Returns the server time.",
+    reply="Array: unix seconds and microseconds, as bulk strings.",
+)
+def time_(ctx: Ctx, args: Args) -> Reply:
+    sec, usec = divmod(time.time_ns() // 1000, 1_000_000)
+    return [str(sec).encode(), str(usec).encode()]
+
+
+container("SLOWLOG", group="server", summary="A container for slow log commands.")
+
+
+@command(
+    "SLOWLOG|GET",
+    -2,
+    "admin loading stale",
+    group="server",
+    summary="Returns the newest slow log entries (10 by default, all with -1).",
+    complexity="O(N) where N is the number of entries returned",
+    arguments=(Arg("count", "integer", optional=True),),
+    reply="Array of entries: id, unix time, duration in microseconds, arguments, client "
+    "address, client name.",
+)
+def slowlog_get(ctx: Ctx, args: Args) -> Reply:
+    if len(args) > 3:
+        raise syntax_error()
+    count = 10
+    if len(args) == 3:
+        error = CommandError("count should be greater than or equal to -1")
+        count = parse_int(args[2], error)
+        if count < -1:
+            raise error
+    return [entry.reply() for entry in ctx.server.slowlog.get(count)]
+
+
+@command(
+    "SLOWLOG|LEN",
+    2,
+    "admin loading stale",
+    group="server",
+    summary="Returns the number of entries in the slow log.",
+    reply="Integer.",
+)
+def slowlog_len(ctx: Ctx, args: Args) -> Reply:
+    return len(ctx.server.slowlog)
+
+
+@command(
+    "SLOWLOG|RESET",
+    2,
+    "admin loading stale",
+    group="server",
+    summary="Clears all entries from the slow log.",
+    complexity="O(N) where N is the number of entries in the slowlog",
+    reply="Simple string OK.",
+)
+def slowlog_reset(ctx: Ctx, args: Args) -> Reply:
+    ctx.server.slowlog.reset()
+    return OK
+
+
+@command(
+    "SLOWLOG|HELP",
+    2,
+    "loading stale",
+    group="server",
+    summary="Shows helpful text about the different subcommands.",
+    reply="Array of simple strings.",
+)
+def slowlog_help(ctx: Ctx, args: Args) -> Reply:
+    return help_reply(
+        "SLOWLOG",
+        [
+            "GET [<count>]",
+            "    Return top <count> entries from the slowlog (default: 10, -1 mean all).",
+            "    Entries are made of:",
+            "    id, timestamp, time in microseconds, arguments array, client IP and port,",
+            "    client name",
+            "LEN",
+            "    Return the length of the slowlog.",
+            "RESET",
+            "    Reset the slowlog.",
+        ],
+    )
+
+
+@command(
+    "MONITOR",
+    1,
+    _ADMIN,
+    group="server",
+    summary="Listens for all requests received by the server in real time.",
+    reply="Simple string OK, then one simple string per command run by other clients.",
+)
+def monitor(ctx: Ctx, args: Args) -> Reply:
+    ctx.start_monitor()
+    return OK
+
+
+_SHUTDOWN_OPTS = {b"NOSAVE", b"SAVE", b"NOW", b"FORCE", b"ABORT"}
+
+
+@command(
+    "SHUTDOWN",
+    -1,
+    _ADMIN + " no_multi allow_busy",
+    group="server",
+    summary="Shuts the server down gracefully (in-flight commands finish, tiers are closed).",
+    complexity="O(N) when saving, where N is the total number of keys in all databases",
+    arguments=(
+        Arg(
+            "save-selector",
+            "oneof",
+            optional=True,
+            arguments=(
+                Arg("nosave", "pure-token", token="NOSAVE"),
+                Arg("save", "pure-token", token="SAVE"),
+            ),
+        ),
+        Arg("now", "pure-token", optional=True, token="NOW"),
+        Arg("force", "pure-token", optional=True, token="FORCE"),
+        Arg("abort", "pure-token", optional=True, token="ABORT"),
+    ),
+    reply="Nothing on success: the connection closes. An error with ABORT.",
+)
+def shutdown(ctx: Ctx, args: Args) -> Reply:
+    opts = {arg_upper(a) for a in args[1:]}
+    if not opts <= _SHUTDOWN_OPTS:
+        raise syntax_error()
+    if (b"ABORT" in opts and len(opts) > 1) or {b"SAVE", b"NOSAVE"} <= opts:
+        raise syntax_error()
+    if b"ABORT" in opts:
+        raise CommandError("Errors trying to abort SHUTDOWN. Check logs.")
+    ctx.server.request_shutdown()
+    ctx.kill()
+    return None
