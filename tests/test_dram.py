@@ -6,6 +6,7 @@ import asyncio
 import multiprocessing as mp
 import os
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -154,7 +155,7 @@ def test_bad_config_and_registry() -> None:
     asyncio.run(tier.close())
 
 
-def _child_read(shm_name: str, offset: int, length: int, queue: mp.Queue) -> None:  # type: ignore[type-arg]
+def _child_read(shm_name: str, offset: int, length: int, queue: Any) -> None:
     from multiprocessing import resource_tracker, shared_memory
 
     shm = shared_memory.SharedMemory(name=shm_name)
