@@ -232,8 +232,10 @@ class Config:
         if opt is None:
             raise ConfigError(f"Unknown option or number of arguments for CONFIG SET - '{name}'")
         if not opt.mutable:
-            raise ConfigError(f"CONFIG SET failed (possibly related to argument '{name}') - "
-                              "can't set immutable config")
+            raise ConfigError(
+                f"CONFIG SET failed (possibly related to argument '{name}') - "
+                "can't set immutable config"
+            )
         self.values[name] = _parse(opt, raw)
         _check(self.values)
 
@@ -264,8 +266,10 @@ def _check(values: Mapping[str, Any]) -> None:
     for tier in ("dram", "nvme"):
         lo, hi = values[f"{tier}-low-watermark"], values[f"{tier}-high-watermark"]
         if lo > hi:
-            raise ConfigError(f"invalid value for '{tier}-low-watermark': {lo} is above "
-                              f"{tier}-high-watermark ({hi})")
+            raise ConfigError(
+                f"invalid value for '{tier}-low-watermark': {lo} is above "
+                f"{tier}-high-watermark ({hi})"
+            )
     if values["tls-port"] and not (values["tls-cert-file"] and values["tls-key-file"]):
         raise ConfigError("invalid value for 'tls-port': needs tls-cert-file and tls-key-file")
 
@@ -316,7 +320,7 @@ def render_markdown() -> str:
         "",
         "Every key can be given as a flag (`kvstrata serve --dram-capacity 4GiB`), an environment",
         "variable (`KVSTRATA_DRAM_CAPACITY=4GiB`) or a key of the TOML file passed with",
-        "`--config` (`dram-capacity = \"4GiB\"`); flags win over the environment, which wins over",
+        '`--config` (`dram-capacity = "4GiB"`); flags win over the environment, which wins over',
         "the file. `CONFIG GET *` lists them all; keys marked *runtime* can be changed with",
         "`CONFIG SET`. Sizes take B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB (powers",
         "of 1000).",

@@ -58,7 +58,7 @@ class Verbatim:
     format: bytes = b"txt"
 
 
-class Push(list):  # type: ignore[type-arg]
+class Push(list):  # type: ignore[type-arg,unused-ignore]
     """An out-of-band push (``>``)."""
 
     __slots__ = ()

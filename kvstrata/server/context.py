@@ -106,5 +106,5 @@ class ServerStats:
     unexpected_errors: int = 0
 
     def reset(self) -> None:
-        for name in self.__slots__:  # type: ignore[attr-defined]
+        for name in self.__slots__:
             setattr(self, name, 0)

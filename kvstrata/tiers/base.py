@@ -80,7 +80,7 @@ class TierStats:
 
     def reset(self) -> None:
         keep_chunks = self.chunks
-        for name in self.__slots__:  # type: ignore[attr-defined]
+        for name in self.__slots__:
             if name == "extra":
                 continue
             setattr(self, name, type(getattr(self, name))())
@@ -147,14 +147,18 @@ class Tier(ABC):
         for _ in ():
             yield _
 
-    async def put_many(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BaseException | None]:
+    async def put_many(
+        self, items: Sequence[tuple[ChunkMeta, Buffer]]
+    ) -> list[BaseException | None]:
         results = await asyncio.gather(*(self.put(m, d) for m, d in items), return_exceptions=True)
         return [r if isinstance(r, BaseException) else None for r in results]
 
     async def get_many(
         self, items: Sequence[tuple[ChunkKey, memoryview]]
     ) -> list[ChunkMeta | BaseException]:
-        return list(await asyncio.gather(*(self.get(k, o) for k, o in items), return_exceptions=True))
+        return list(
+            await asyncio.gather(*(self.get(k, o) for k, o in items), return_exceptions=True)
+        )
 
     async def contains_many(self, keys: Iterable[ChunkKey]) -> list[bool]:
         return list(await asyncio.gather(*(self.contains(k) for k in keys)))

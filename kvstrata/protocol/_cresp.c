@@ -1,0 +1,138 @@
+/* C accelerated RESP request scanner; same contract as decoder.py's py_parse_requests.
+ *
+ * parse_requests(buf, pos, end, big, max_bulk, max_args) -> (cmds, pos, state)
+ *   state: None (all complete commands consumed, or the next one is incomplete),
+ *          1 (an inline command starts at pos),
+ *          (args, remaining, length, data_pos) (a bulk of >= big bytes starts at data_pos).
+ * Malformed input raises ValueError with the Redis protocol error text (without the
+ * "Protocol error: " prefix that the Python wrapper adds).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+#define MAX_HEADER (64 * 1024)
+
+static const char *find_crlf(const char *p, const char *end) {
+    while (p < end) {
+        const char *r = memchr(p, '\r', (size_t)(end - p));
+        if (r == NULL || r + 1 >= end) return NULL;
+        if (r[1] == '\n') return r;
+        p = r + 1;
+    }
+    return NULL;
+}
+
+/* Strict decimal (optional leading '-'), at most 19 digits. Returns 0 on success. */
+static int parse_ll(const char *p, const char *e, long long *out) {
+    int neg = 0;
+    long long v = 0;
+    if (p < e && *p == '-') { neg = 1; p++; }
+    if (p >= e || e - p > 19) return -1;
+    for (; p < e; p++) {
+        if (*p < '0' || *p > '9') return -1;
+        v = v * 10 + (*p - '0');
+    }
+    *out = neg ? -v : v;
+    return 0;
+}
+
+static PyObject *proto_error(const char *msg) {
+    PyErr_SetString(PyExc_ValueError, msg);
+    return NULL;
+}
+
+static PyObject *parse_requests(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t pos, end, big, max_bulk, max_args;
+    if (!PyArg_ParseTuple(args, "y*nnnnn", &view, &pos, &end, &big, &max_bulk, &max_args))
+        return NULL;
+    PyObject *cmds = PyList_New(0);
+    PyObject *state = NULL;
+    const char *base = (const char *)view.buf;
+    if (end > view.len) end = view.len;
+    if (cmds == NULL) goto fail;
+    while (pos < end) {
+        const char *p = base + pos, *stop = base + end;
+        if (*p != '*') { state = PyLong_FromLong(1); break; }
+        const char *nl = find_crlf(p, stop);
+        if (nl == NULL) {
+            if (end - pos > MAX_HEADER) { proto_error("too big mbulk count string"); goto fail; }
+            break;
+        }
+        long long n;
+        if (parse_ll(p + 1, nl, &n) != 0 || n > max_args) {
+            proto_error("invalid multibulk length"); goto fail;
+        }
+        p = nl + 2;
+        if (n <= 0) { pos = p - base; continue; }
+        PyObject *argv = PyList_New(0);
+        if (argv == NULL) goto fail;
+        int complete = 1;
+        for (long long i = 0; i < n; i++) {
+            if (p >= stop) { complete = 0; break; }
+            if (*p != '$') {
+                char msg[64];
+                snprintf(msg, sizeof msg, "expected '$', got '%c'", *p);
+                Py_DECREF(argv); proto_error(msg); goto fail;
+            }
+            const char *bnl = find_crlf(p, stop);
+            if (bnl == NULL) {
+                if (stop - p > MAX_HEADER) {
+                    Py_DECREF(argv); proto_error("too big bulk count string"); goto fail;
+                }
+                complete = 0; break;
+            }
+            long long ln;
+            if (parse_ll(p + 1, bnl, &ln) != 0 || ln < 0 || ln > max_bulk) {
+                Py_DECREF(argv); proto_error("invalid bulk length"); goto fail;
+            }
+            const char *data = bnl + 2;
+            if (ln >= big) {
+                state = Py_BuildValue("(NLLn)", argv, (long long)(n - i), ln,
+                                      (Py_ssize_t)(data - base));
+                if (state == NULL) goto fail;
+                complete = -1;
+                break;
+            }
+            if (data + ln + 2 > stop) { complete = 0; break; }
+            if (data[ln] != '\r' || data[ln + 1] != '\n') {
+                Py_DECREF(argv); proto_error("expected CRLF after bulk data"); goto fail;
+            }
+            PyObject *arg = PyBytes_FromStringAndSize(data, (Py_ssize_t)ln);
+            if (arg == NULL || PyList_Append(argv, arg) != 0) {
+                Py_XDECREF(arg); Py_DECREF(argv); goto fail;
+            }
+            Py_DECREF(arg);
+            p = data + ln + 2;
+        }
+        if (complete == -1) break;  /* state owns argv */
+        if (!complete) { Py_DECREF(argv); break; }
+        if (PyList_Append(cmds, argv) != 0) { Py_DECREF(argv); goto fail; }
+        Py_DECREF(argv);
+        pos = p - base;
+    }
+    PyBuffer_Release(&view);
+    if (state == NULL) { state = Py_None; Py_INCREF(state); }
+    return Py_BuildValue("(NnN)", cmds, pos, state);
+fail:
+    PyBuffer_Release(&view);
+    /* Commands before a malformed one still run: report the error on the next call. */
+    if (cmds != NULL && PyList_GET_SIZE(cmds) > 0 && PyErr_ExceptionMatches(PyExc_ValueError)) {
+        PyErr_Clear();
+        return Py_BuildValue("(NnO)", cmds, pos, Py_None);
+    }
+    Py_XDECREF(cmds);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"parse_requests", parse_requests, METH_VARARGS, "Scan complete RESP commands."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_cresp", "C accelerated RESP request scanner.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__cresp(void) { return PyModule_Create(&module); }

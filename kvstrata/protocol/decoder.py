@@ -1,0 +1,239 @@
+"""Incremental RESP request decoding (server side). No I/O.
+
+:func:`parse_requests` scans a buffer the caller owns and returns the complete commands in it.
+"Incomplete" is an expected state, not an error: the caller keeps the unconsumed bytes and calls
+again when more arrive. Two implementations with one contract, tested together at every split
+offset: a C one (``kvstrata.protocol._cresp``, built when a compiler is present) and this pure
+Python one. :data:`parse_requests` is the fastest available.
+
+The scan stops early in two cases that the caller handles in Python:
+
+- :data:`INLINE`: the next command is an inline command (``PING\\r\\n`` typed by hand);
+  :func:`parse_inline` decodes it.
+- :class:`BigBulk`: the next command has a bulk argument of at least ``big`` bytes. The caller
+  chooses where those bytes land (an arena slot for ``KV.PUT``) so a payload is copied once,
+  then continues with :func:`parse_args`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.protocol.errors import ProtocolError
+
+INLINE = 1
+MAX_HEADER = 64 * 1024  # longest `*N`/`$N` line or inline command, as Redis
+Buf = bytearray | bytes | memoryview
+
+
+@dataclass(slots=True)
+class BigBulk:
+    """A command stopped at a large bulk: ``args`` so far, ``remaining`` arguments including the
+    large one, its ``length``, and ``data_pos``, where its bytes begin in the buffer."""
+
+    args: list[Any]
+    remaining: int
+    length: int
+    data_pos: int
+
+
+def _header_int(buf: Buf, start: int, stop: int, what: str) -> int:
+    raw = bytes(buf[start:stop])
+    body = raw[1:] if raw[:1] == b"-" else raw
+    if not body or not body.isdigit() or len(body) > 19:
+        raise ProtocolError(f"invalid {what} length")
+    return int(raw)
+
+
+def py_parse_requests(
+    buf: Buf, pos: int, end: int, big: int, max_bulk: int, max_args: int
+) -> tuple[list[list[bytes]], int, Any]:
+    """Decode complete multibulk commands in ``buf[pos:end]``; see the module docstring."""
+    cmds: list[list[bytes]] = []
+    good = [pos]  # where the command after the last complete one begins
+    try:
+        return _scan(buf, pos, end, big, max_bulk, max_args, cmds, good)
+    except ProtocolError:
+        if not cmds:
+            raise
+        # commands before the malformed one still run; the error comes on the next call
+        return cmds, good[0], None
+
+
+def _scan(
+    buf: Buf,
+    pos: int,
+    end: int,
+    big: int,
+    max_bulk: int,
+    max_args: int,
+    cmds: list[Any],
+    good: list[int],
+) -> tuple[list[list[bytes]], int, Any]:
+    find = buf.find  # type: ignore[union-attr]
+    while pos < end:
+        if buf[pos] != 0x2A:  # '*'
+            return cmds, pos, INLINE
+        nl = find(b"\r\n", pos, end)
+        if nl < 0:
+            if end - pos > MAX_HEADER:
+                raise ProtocolError("too big mbulk count string")
+            break
+        n = _header_int(buf, pos + 1, nl, "multibulk")
+        if n > max_args:
+            raise ProtocolError("invalid multibulk length")
+        if n <= 0:
+            pos = good[0] = nl + 2
+            continue
+        args: list[Any] = []
+        p, state = _parse_args(buf, nl + 2, end, n, big, max_bulk, args)
+        if state is None:
+            break
+        if state is not True:
+            state.args = args
+            return cmds, pos, state
+        cmds.append(args)
+        pos = good[0] = p
+    return cmds, pos, None
+
+
+def _parse_args(
+    buf: Buf, p: int, end: int, n: int, big: int, max_bulk: int, args: list[Any]
+) -> tuple[int, Any]:
+    """Parse ``n`` bulk arguments into ``args``. Returns (pos, True) when complete,
+    (pos, None) when more bytes are needed, (pos, BigBulk) at a large bulk."""
+    find = buf.find  # type: ignore[union-attr]
+    for i in range(n):
+        if p >= end:
+            return p, None
+        if buf[p] != 0x24:  # '$'
+            raise ProtocolError(f"expected '$', got '{chr(buf[p])}'")
+        nl = find(b"\r\n", p, end)
+        if nl < 0:
+            if end - p > MAX_HEADER:
+                raise ProtocolError("too big bulk count string")
+            return p, None
+        ln = _header_int(buf, p + 1, nl, "bulk")
+        if ln < 0 or ln > max_bulk:
+            raise ProtocolError("invalid bulk length")
+        data = nl + 2
+        if ln >= big:
+            return p, BigBulk(args, n - i, ln, data)
+        if data + ln + 2 > end:
+            return p, None
+        if buf[data + ln] != 13 or buf[data + ln + 1] != 10:
+            raise ProtocolError("expected CRLF after bulk data")
+        args.append(bytes(buf[data : data + ln]))
+        p = data + ln + 2
+    return p, True
+
+
+def parse_args(
+    buf: Buf, pos: int, end: int, n: int, big: int, max_bulk: int, args: list[Any]
+) -> tuple[int, Any]:
+    """Continue a command after a large bulk: parse its ``n`` remaining arguments.
+
+    Arguments parsed before the bytes run out stay in ``args``; the returned position is where
+    to resume. Returns (pos, True | None | BigBulk) like the internal scanner."""
+    return _parse_args(buf, pos, end, n, big, max_bulk, args)
+
+
+def parse_inline(buf: Buf, pos: int, end: int) -> tuple[list[bytes] | None, int]:
+    """Decode one inline command at ``pos``; (None, pos) when its line is not complete."""
+    nl = buf.find(b"\n", pos, end)  # type: ignore[union-attr]
+    if nl < 0:
+        if end - pos > MAX_HEADER:
+            raise ProtocolError("too big inline request")
+        return None, pos
+    line = bytes(buf[pos:nl]).rstrip(b"\r")
+    return split_args(line), nl + 1
+
+
+_ESCAPES = {ord("n"): 10, ord("r"): 13, ord("t"): 9, ord("b"): 8, ord("a"): 7}
+
+
+def split_args(line: bytes) -> list[bytes]:
+    """Split an inline command like Redis's sdssplitargs (quotes and escapes)."""
+    args: list[bytes] = []
+    i, n = 0, len(line)
+    while True:
+        while i < n and line[i] in b" \t\r\n\v\f":
+            i += 1
+        if i >= n:
+            return args
+        cur = bytearray()
+        quote = 0
+        while i < n:
+            c = line[i]
+            if quote == 0x22:  # "
+                if c == 0x5C and i + 1 < n:  # backslash
+                    nxt = line[i + 1]
+                    hexpart = line[i + 2 : i + 4]
+                    if nxt == ord("x") and len(hexpart) == 2 and _is_hex(hexpart):
+                        cur.append(int(hexpart, 16))
+                        i += 3
+                    else:
+                        cur.append(_ESCAPES.get(nxt, nxt))
+                        i += 1
+                elif c == 0x22:
+                    if i + 1 < n and line[i + 1] not in b" \t\r\n\v\f":
+                        raise ProtocolError("unbalanced quotes in request")
+                    quote = 0
+                    i += 1
+                    break
+                else:
+                    cur.append(c)
+            elif quote == 0x27:  # '
+                if c == 0x5C and i + 1 < n and line[i + 1] == 0x27:
+                    cur.append(0x27)
+                    i += 1
+                elif c == 0x27:
+                    if i + 1 < n and line[i + 1] not in b" \t\r\n\v\f":
+                        raise ProtocolError("unbalanced quotes in request")
+                    quote = 0
+                    i += 1
+                    break
+                else:
+                    cur.append(c)
+            elif c in b" \t\r\n\v\f":
+                break
+            elif c in (0x22, 0x27):
+                quote = c
+            else:
+                cur.append(c)
+            i += 1
+        if quote:
+            raise ProtocolError("unbalanced quotes in request")
+        args.append(bytes(cur))
+
+
+def _is_hex(b: bytes) -> bool:
+    return all(ch in b"0123456789abcdefABCDEF" for ch in b)
+
+
+def _load_fast() -> Any:
+    try:
+        from kvstrata.protocol import _cresp  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    fast = _cresp.parse_requests
+
+    def c_parse_requests(
+        buf: Buf, pos: int, end: int, big: int, max_bulk: int, max_args: int
+    ) -> tuple[list[list[bytes]], int, Any]:
+        try:
+            cmds, pos, state = fast(buf, pos, end, big, max_bulk, max_args)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        if type(state) is tuple:
+            args, remaining, length, data_pos = state
+            return cmds, pos, BigBulk(args, remaining, length, data_pos)
+        return cmds, pos, state
+
+    return c_parse_requests
+
+
+c_parse_requests = _load_fast()
+parse_requests = c_parse_requests or py_parse_requests
+ACCELERATED = c_parse_requests is not None
