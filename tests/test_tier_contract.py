@@ -38,18 +38,24 @@ async def _make_dram(tmp_path: Path) -> Tier:
     return DramTier(DramConfig(capacity=CAPACITY, name_prefix="kvstrata-test"))
 
 
-async def _make_nvme(tmp_path: Path) -> Tier:
+async def _make_nvme(tmp_path: Path, direct: str = "auto") -> Tier:
     from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
 
-    tier = NvmeTier(NvmeConfig(path=str(tmp_path / "nvme"), capacity=CAPACITY, io_threads=2))
+    config = NvmeConfig(str(tmp_path / "nvme"), capacity=CAPACITY, io_threads=2, direct=direct)
+    tier = NvmeTier(config)
     async for _ in tier.scan():
         pass
     return tier
 
 
+async def _make_nvme_buffered(tmp_path: Path) -> Tier:
+    return await _make_nvme(tmp_path, direct="no")
+
+
 TIER_CASES: list[TierCase] = [
     TierCase("dram", _make_dram),
-    TierCase("nvme", _make_nvme),
+    TierCase("nvme", _make_nvme),  # O_DIRECT where the filesystem of tmp_path takes it
+    TierCase("nvme-buffered", _make_nvme_buffered),
 ]
 
 

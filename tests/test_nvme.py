@@ -1,0 +1,338 @@
+"""NVMe tier specifics: restart, integrity, quarantine, injected I/O failures, kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.tiers import _nvme_format as fmt
+from kvstrata.tiers.base import IntegrityError, TierIOError, TierUnavailable, build_tier
+from kvstrata.tiers.checksum import checksum
+from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
+
+MiB = 1024 * 1024
+NS = "nvme@test"
+
+
+def chunk(i: int, size: int) -> tuple[ChunkMeta, bytes]:
+    data = np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+    key = ChunkKey(NS, i.to_bytes(4, "big") * 8)
+    return ChunkMeta(key, b"", i, size, checksum(data)), data
+
+
+def new_tier(root: Path, **kw: Any) -> NvmeTier:
+    kw.setdefault("capacity", 64 * MiB)
+    kw.setdefault("io_threads", 2)
+    return NvmeTier(NvmeConfig(str(root), **kw))
+
+
+def run(root: Path, body: Callable[[NvmeTier], Awaitable[None]], **kw: Any) -> None:
+    async def main() -> None:
+        tier = new_tier(root, **kw)
+        try:
+            await body(tier)
+        finally:
+            await tier.close()
+
+    asyncio.run(main())
+
+
+async def scan_all(tier: NvmeTier) -> list[ChunkMeta]:
+    return [m async for m in tier.scan()]
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("??/*") if p.is_file())
+
+
+def test_restart_scan_returns_what_was_stored(tmp_path: Path) -> None:
+    """Store chunks, close, open a new tier on the folder: scan() lists them all, bytes intact."""
+    items = [chunk(i, s) for i, s in enumerate([1, 4096, 5000, MiB + 7])]
+
+    async def write(tier: NvmeTier) -> None:
+        await tier.put_many(items)
+
+    async def reopen(tier: NvmeTier) -> None:
+        assert not await tier.contains(items[0][0].key)  # nothing known before scan()
+        found = await scan_all(tier)
+        assert sorted(found, key=lambda m: m.tokens) == [m for m, _ in items]
+        report = tier.rebuild_report
+        assert report is not None
+        assert (report.chunks, report.bytes, report.quarantined) == (
+            4,
+            sum(m.size for m, _ in items),
+            0,
+        )
+        assert tier.used == sum(fmt.file_bytes(m.size) for m, _ in items)
+        for meta, data in items:
+            out = bytearray(meta.size)
+            assert await tier.get(meta.key, memoryview(out)) == meta
+            assert out == data
+        assert tier.info()["rebuild_chunks"] == 4
+
+    run(tmp_path, write)
+    run(tmp_path, reopen)
+
+
+def test_file_names_come_from_digests_only(tmp_path: Path) -> None:
+    async def body(tier: NvmeTier) -> None:
+        data = b"abc"
+        key = ChunkKey("../../etc/passwd", b"\x00/..")
+        await tier.put(ChunkMeta(key, b"", 1, 3, checksum(data)), data)
+        (path,) = chunk_files(tmp_path)
+        digest = fmt.chunk_digest(key)
+        assert path == tmp_path / digest[:2] / f"{digest}.kvc"
+        raw = path.read_bytes()
+        assert len(raw) == fmt.HEADER_SIZE + 3 and raw[:8] == b"KVSTRAT1"
+        assert fmt.decode_header(raw[: fmt.HEADER_SIZE]).meta.key == key
+
+    run(tmp_path, body)
+
+
+def test_flipped_payload_byte_is_a_miss_and_quarantined(tmp_path: Path) -> None:
+    """One payload bit flipped on disk: the next get raises IntegrityError, never wrong bytes."""
+
+    async def body(tier: NvmeTier) -> None:
+        meta, data = chunk(1, 100_000)
+        await tier.put(meta, data)
+        (path,) = chunk_files(tmp_path)
+        with open(path, "r+b") as f:
+            f.seek(fmt.HEADER_SIZE + 54_321)
+            byte = f.read(1)
+            f.seek(fmt.HEADER_SIZE + 54_321)
+            f.write(bytes([byte[0] ^ 0x01]))
+        with pytest.raises(IntegrityError):
+            await tier.get(meta.key, memoryview(bytearray(meta.size)))
+        assert not path.exists()
+        assert len(list((tmp_path / "quarantine").iterdir())) == 1
+        assert not await tier.contains(meta.key) and tier.used == 0
+        assert tier.stats.integrity_errors == 1 and tier.stats.extra["quarantined"] == 1
+
+    run(tmp_path, body)
+
+
+def test_scan_quarantines_bad_files_and_removes_temp_files(tmp_path: Path) -> None:
+    """Truncated, foreign, misplaced and corrupt-header files are quarantined; temp files go."""
+    good, good_data = chunk(1, 20_000)
+    trunc, trunc_data = chunk(2, 20_000)
+    bad_head, bad_head_data = chunk(3, 100)
+
+    async def write(tier: NvmeTier) -> None:
+        await tier.put_many([(good, good_data), (trunc, trunc_data), (bad_head, bad_head_data)])
+
+    run(tmp_path, write)
+    rel = fmt.chunk_relpath
+    os.truncate(tmp_path / rel(trunc.key), fmt.HEADER_SIZE + 10_000)
+    with open(tmp_path / rel(bad_head.key), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff")
+    (tmp_path / "ab" / "notes.txt").write_text("foreign")
+    (tmp_path / "cd" / ("0" * 64 + ".kvc")).write_bytes(b"garbage" * 1000)
+    misplaced = tmp_path / "ef" / ("e" * 64 + ".kvc")
+    misplaced.write_bytes((tmp_path / rel(good.key)).read_bytes())
+    (tmp_path / "stray.bin").write_bytes(b"x")
+    (tmp_path / "12" / ".x.kvc.999.1.tmp").write_bytes(b"half")
+
+    async def reopen(tier: NvmeTier) -> None:
+        found = await scan_all(tier)
+        assert found == [good]
+        report = tier.rebuild_report
+        assert report is not None
+        assert (report.quarantined, report.temp_removed) == (6, 1)
+        assert len(list((tmp_path / "quarantine").iterdir())) == 6
+        assert chunk_files(tmp_path) == [tmp_path / rel(good.key)]
+        out = bytearray(good.size)
+        await tier.get(good.key, memoryview(out))
+        assert out == good_data
+
+    run(tmp_path, reopen)
+
+
+@pytest.mark.parametrize("direct", ["auto", "no"])
+def test_enospc_on_write_is_counted_and_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: str
+) -> None:
+    """The disk fills up mid-write: TierIOError, counters move, no partial file, tier usable."""
+
+    def full(*args: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    async def body(tier: NvmeTier) -> None:
+        meta, data = chunk(1, 3 * MiB + 5)
+        with monkeypatch.context() as m:
+            m.setattr(os, "pwritev", full)
+            with pytest.raises(TierIOError, match="ENOSPC"):
+                await tier.put(meta, data)
+        assert (tier.stats.errors, tier.stats.extra["enospc"], tier.stats.puts) == (1, 1, 0)
+        assert list(tmp_path.glob("??/*")) == []  # neither temp nor final file
+        assert tier.used == 0 and not await tier.contains(meta.key)
+        assert "ENOSPC" in tier.info()["last_error"]
+        await tier.put(meta, data)  # the tier keeps working once space is back
+        out = bytearray(meta.size)
+        await tier.get(meta.key, memoryview(out))
+        assert out == data
+
+    run(tmp_path, body, direct=direct)
+
+
+def test_eio_on_read_and_eacces_on_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def deny(path: Any, *args: Any, **kw: Any) -> int:
+        if str(path).endswith(".tmp"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, *args, **kw)
+
+    def broken(*args: Any) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    async def body(tier: NvmeTier) -> None:
+        meta, data = chunk(1, 50_000)
+        await tier.put(meta, data)
+        with monkeypatch.context() as m:
+            m.setattr(os, "preadv", broken)
+            m.setattr(os, "pread", broken)
+            with pytest.raises(TierIOError, match="EIO"):
+                await tier.get(meta.key, memoryview(bytearray(meta.size)))
+        assert await tier.contains(meta.key)  # an I/O error is not corruption
+        other, other_data = chunk(2, 10)
+        with monkeypatch.context() as m:
+            m.setattr(os, "open", deny)
+            with pytest.raises(TierIOError, match="EACCES"):
+                await tier.put(other, other_data)
+        s = tier.stats
+        assert (s.errors, s.extra["eio"], s.extra["eacces"]) == (2, 1, 1)
+        out = bytearray(meta.size)
+        await tier.get(meta.key, memoryview(out))
+        assert out == data
+
+    run(tmp_path, body)
+
+
+def test_put_refuses_payload_that_fails_its_checksum(tmp_path: Path) -> None:
+    async def body(tier: NvmeTier) -> None:
+        meta, data = chunk(1, 1000)
+        with pytest.raises(IntegrityError):
+            await tier.put(meta, data[::-1])
+        assert chunk_files(tmp_path) == [] and not await tier.contains(meta.key)
+
+    run(tmp_path, body)
+
+
+@pytest.mark.parametrize("size", [8 * MiB + 4097, 12_288, 3])
+def test_aligned_and_unaligned_buffers(tmp_path: Path, size: int) -> None:
+    """Page-aligned and odd-address buffers, through O_DIRECT's direct and staged paths."""
+
+    async def body(tier: NvmeTier) -> None:
+        meta, data = chunk(size, size)
+        aligned = mmap.mmap(-1, size + 4096)
+        aligned[:size] = data
+        await tier.put(meta, memoryview(aligned)[:size])
+        odd = bytearray(size + 1)
+        await tier.get(meta.key, memoryview(odd)[1:])
+        assert odd[1:] == data
+        out = mmap.mmap(-1, size + 4096)
+        await tier.get(meta.key, memoryview(out)[:size])
+        assert out[:size] == data
+        await tier.put(meta, memoryview(bytearray(b"\0" + data))[1:])
+        await tier.get(meta.key, memoryview(out)[:size])
+        assert out[:size] == data
+
+    run(tmp_path, body)
+
+
+def test_folder_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TierUnavailable, match="does not exist"):
+        new_tier(tmp_path / "no" / "such" / "dir")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(TierUnavailable, match="not a folder"):
+        new_tier(tmp_path / "file")
+
+    def deny(folder: str) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", folder)
+
+    monkeypatch.setattr("kvstrata.tiers.nvme.probe_writable", deny)
+    with pytest.raises(TierUnavailable, match=str(tmp_path / "ro")):
+        new_tier(tmp_path / "ro")
+
+
+def test_backend_choice(tmp_path: Path) -> None:
+    tier = new_tier(tmp_path / "a")  # created because its parent exists
+    assert tier.info()["backend"] == "posix"
+    assert tier.info()["io"] in ("O_DIRECT",) or tier.info()["io"].startswith("buffered")
+    asyncio.run(tier.close())
+    tier = new_tier(tmp_path / "b", direct="no")
+    assert tier.info()["io"].startswith("buffered")
+    asyncio.run(tier.close())
+    if not os.path.exists("/dev/nvidia0"):
+        with pytest.raises(TierUnavailable, match="kvikio"):
+            new_tier(tmp_path / "c", backend="kvikio")
+    built = build_tier("nvme", NvmeConfig(str(tmp_path / "d"), capacity=MiB))
+    assert isinstance(built, NvmeTier)
+    asyncio.run(built.close())
+
+
+_WRITER = textwrap.dedent(
+    """
+    import asyncio, sys
+    import numpy as np
+    from kvstrata.store.keys import ChunkKey, ChunkMeta
+    from kvstrata.tiers.checksum import checksum
+    from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
+
+    async def main():
+        tier = NvmeTier(NvmeConfig(sys.argv[1], capacity=1 << 34, io_threads=2))
+        i = 0
+        while True:
+            size = 4096 * (1 + i % 7) * 37 + i
+            data = np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+            key = ChunkKey("kill@test", i.to_bytes(8, "big"))
+            await tier.put_many([(ChunkMeta(key, b"", i, size, checksum(data)), data)])
+            print(i, flush=True)
+            i += 1
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_kill_9_during_write_burst_keeps_only_complete_chunks(tmp_path: Path) -> None:
+    """A writer is killed with SIGKILL mid-burst; a restart serves every acknowledged chunk
+    intact, and every chunk scan() reports verifies byte for byte."""
+    root = tmp_path / "nvme"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(root)], stdout=subprocess.PIPE, env=env, text=True
+    )
+    assert proc.stdout is not None
+    acked = [int(proc.stdout.readline()) for _ in range(25)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+
+    async def check(tier: NvmeTier) -> None:
+        found = await scan_all(tier)
+        tokens = {m.tokens for m in found}
+        assert set(acked) <= tokens
+        for meta in found:
+            i = meta.tokens
+            expected = np.random.default_rng(i).integers(0, 256, meta.size, dtype=np.uint8)
+            out = np.empty(meta.size, dtype=np.uint8)
+            assert await tier.get(meta.key, out.data) == meta
+            assert np.array_equal(out, expected)
+        assert not list(root.glob("??/*.tmp"))
+
+    run(root, check)
