@@ -1,0 +1,333 @@
+"""KVStore: the facade the KV.* commands call.
+
+It ties together the index (``index``), leases (``leases``), placement and eviction
+(``placement``), the write path (``kvstore_write``) and the read path (``kvstore_read``) over
+the configured tiers, ordered fast → slow. Bookkeeping is synchronous on the event loop; only
+tier I/O is awaited, and no lock is held across an await (key ownership is described in
+``kvstore_state``).
+
+Lifecycle: ``await KVStore.from_config(config, keyspace)`` (or ``KVStore(config, keyspace,
+tiers)``), then ``await store.start()`` (rebuilds the index from the persistent tiers, starts
+the lease sweeper and the demoter) and finally ``await store.close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvstrata.config import Config
+from kvstrata.store.index import ChunkRecord, record_from_meta
+from kvstrata.store.keys import ChunkKey
+from kvstrata.store.keyspace import Keyspace, now_ms
+from kvstrata.store.kvstore_read import Payload, ReadPath
+from kvstrata.store.kvstore_state import StoreState
+from kvstrata.store.kvstore_write import StoreSink, WritePath
+from kvstrata.store.leases import Lease, ReadLease, WriteLease, run_sweeper
+from kvstrata.store.placement import Placement
+from kvstrata.tiers.base import MemoryTier, Region, Tier, build_tier
+
+log = logging.getLogger("kvstrata.store")
+
+__all__ = ["KVStore", "Payload", "StoreSink"]
+
+
+_CONFIG_CLASSES = {
+    "dram": ("kvstrata.tiers.dram", "DramConfig"),
+    "nvme": ("kvstrata.tiers.nvme", "NvmeConfig"),
+    "s3": ("kvstrata.tiers.s3", "S3Config"),
+}
+
+
+def _tier_config(name: str, config: Config) -> Any:
+    """The typed config of tier ``name`` (importing its module registers the tier)."""
+    module, cls_name = _CONFIG_CLASSES[name]
+    return getattr(importlib.import_module(module), cls_name).from_config(config)
+
+
+class KVStore:
+    """See the module docstring."""
+
+    def __init__(self, config: Config, keyspace: Keyspace, tiers: list[Tier]) -> None:
+        self.config = config
+        self.keyspace = keyspace
+        self.state = StoreState(config, keyspace, tiers)
+        self.placement = Placement(self.state)
+        self.writes = WritePath(self.state, self.placement)
+        self.reads = ReadPath(self.state, self.placement)
+        self.rebuild: dict[str, float] = {"chunks": 0, "bytes": 0, "seconds": 0.0,
+                                          "quarantined": 0}  # fmt: skip
+        self._background: list[asyncio.Task[Any]] = []
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return self.state.tiers
+
+    @property
+    def index(self) -> Any:
+        return self.state.index
+
+    @property
+    def leases(self) -> Any:
+        return self.state.leases
+
+    @classmethod
+    async def from_config(cls, config: Config, keyspace: Keyspace) -> KVStore:
+        """Build the tiers the configuration asks for (dram always; nvme when nvme-capacity > 0;
+        s3 when s3-bucket is set) and return an un-started store."""
+        tiers: list[Tier] = [build_tier("dram", _tier_config("dram", config))]
+        try:
+            if config.nvme_capacity > 0:
+                tiers.append(build_tier("nvme", _tier_config("nvme", config)))
+            if config.s3_bucket:
+                tiers.append(build_tier("s3", _tier_config("s3", config)))
+        except BaseException:
+            for tier in tiers:
+                await tier.close()
+            raise
+        return cls(config, keyspace, tiers)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._rebuild()
+        state = self.state
+        self._background = [
+            asyncio.get_running_loop().create_task(
+                run_sweeper(state.leases, self._end_lease, 0.1, self._sweep_error),
+                name="kv lease sweeper",
+            ),
+            asyncio.get_running_loop().create_task(
+                self.placement.run_demoter(0.05), name="kv demoter"
+            ),
+        ]
+
+    async def close(self) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._background = []
+        for lease in self.state.leases.take_all():
+            self._end_lease(lease)
+        await self.state.drain()
+        for tier in self.state.tiers:
+            try:
+                await tier.close()
+            except Exception:
+                log.exception("closing tier %s failed", tier.name)
+
+    async def _rebuild(self) -> None:
+        started = time.perf_counter()
+        state = self.state
+        for tier in state.tiers:
+            if not tier.persistent:
+                continue
+            found = 0
+            async for meta in tier.scan():
+                rec = state.index.get(meta.key)
+                if rec is None:
+                    rec = record_from_meta(meta)
+                    rec.tiers = {tier.name}
+                    state.publish(rec)
+                    self.rebuild["chunks"] += 1
+                    self.rebuild["bytes"] += meta.size
+                elif rec.checksum == meta.checksum:
+                    state.index.add_tier(rec, tier.name)
+                else:
+                    log.warning("%s holds a stale copy of %s; deleting it", tier.name, meta.key.hex)
+                    state.spawn(tier.delete(meta.key), f"delete stale {meta.key.hex[:16]}")
+                found += 1
+            report = getattr(tier, "rebuild_report", None)
+            quarantined = getattr(report, "quarantined", 0) if report is not None else 0
+            if isinstance(report, dict):
+                quarantined = report.get("quarantined", 0)
+            self.rebuild["quarantined"] += (
+                len(quarantined) if isinstance(quarantined, list | tuple | set) else quarantined
+            )
+            log.info("rebuilt %d chunks from %s", found, tier.name)
+        self.rebuild["seconds"] = time.perf_counter() - started
+
+    def _end_lease(self, lease: Lease) -> None:
+        if isinstance(lease, ReadLease):
+            self.reads.end_read_lease(lease)
+        else:
+            self.writes.end_write_lease(lease)
+
+    def _sweep_error(self, exc: BaseException) -> None:
+        self.state.errors += 1
+
+    async def drain(self) -> None:
+        """Wait for background frees and tier deletes started so far (tests, shutdown)."""
+        await self.state.drain()
+
+    # -- writes ------------------------------------------------------------------------------------
+
+    def reserve_put(self, ns: str, hash: bytes, parent: bytes, nbytes: int) -> StoreSink | None:
+        return self.writes.reserve_put(ns, hash, parent, nbytes)
+
+    async def put(
+        self,
+        ns: str,
+        hash: bytes,
+        parent: bytes,
+        payload: Any,
+        tokens: int = 0,
+        ttl_ms: int | None = None,
+        nx: bool = False,
+        sink: Any = None,
+    ) -> bool:
+        return await self.writes.put(ns, hash, parent, payload, tokens, ttl_ms, nx, sink)
+
+    async def reserve(
+        self, ns: str, hash: bytes, parent: bytes, nbytes: int, tokens: int = 0,
+        ttl_ms: int | None = None,
+    ) -> WriteLease:  # fmt: skip
+        ttl = self.config.lease_ttl if ttl_ms is None else ttl_ms
+        return await self.writes.reserve(ns, hash, parent, nbytes, tokens, ttl)
+
+    async def commit(self, lease_id: str) -> None:
+        await self.writes.commit(lease_id)
+
+    def abort(self, lease_id: str) -> None:
+        self.writes.abort(lease_id)
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    async def get(self, ns: str, hash: bytes) -> Payload | None:
+        return await self.reads.get(ns, hash)
+
+    async def mget(self, ns: str, hashes: Sequence[bytes]) -> list[Payload | None]:
+        return [await self.reads.get(ns, h) for h in hashes]
+
+    async def lease(
+        self, ns: str, hashes: Sequence[bytes], ttl_ms: int | None = None
+    ) -> ReadLease | None:
+        ttl = self.config.lease_ttl if ttl_ms is None else ttl_ms
+        return await self.reads.lease(ns, hashes, ttl)
+
+    def release(self, lease_id: str) -> None:
+        self.reads.release(lease_id)
+
+    def regions(self) -> list[Region]:
+        out: list[Region] = []
+        for tier in self.state.tiers:
+            if isinstance(tier, MemoryTier):
+                out.extend(tier.regions())
+        return out
+
+    # -- index queries -----------------------------------------------------------------------------
+
+    def _matched(self, ns: str, hashes: Sequence[bytes]) -> list[ChunkRecord]:
+        state = self.state
+        get = state.index.get
+        now = now_ms()
+        stamp = time.monotonic()
+        out: list[ChunkRecord] = []
+        for h in hashes:
+            rec = get(ChunkKey(ns, h))
+            if rec is None or not rec.tiers:
+                break
+            if rec.expire_at is not None and rec.expire_at <= now:
+                state.live(rec.key, now)  # deletes it
+                break
+            rec.last_access = stamp
+            out.append(rec)
+        return out
+
+    def match(self, ns: str, hashes: Sequence[bytes]) -> int:
+        """Number of leading chunks of the chain present, committed and unexpired."""
+        return len(self._matched(ns, hashes))
+
+    def match_tiers(self, ns: str, hashes: Sequence[bytes]) -> list[str]:
+        """The fastest tier holding each matched chunk."""
+        order = [t.name for t in self.state.tiers]
+        return [next(n for n in order if n in rec.tiers) for rec in self._matched(ns, hashes)]
+
+    def prefetch(self, ns: str, hashes: Sequence[bytes]) -> int:
+        """Start promoting the matched chunks that are below DRAM (background); returns how
+        many were queued."""
+        dram = self.state.dram
+        if dram is None:
+            return 0
+        todo = [r for r in self._matched(ns, hashes) if dram.name not in r.tiers]
+        if todo:
+            self.state.spawn(self.reads.prefetch(todo), f"prefetch {len(todo)} chunks")
+        return len(todo)
+
+    def info(self, ns: str, hash: bytes) -> dict[str, Any] | None:
+        rec = self.state.live(ChunkKey(ns, hash))
+        if rec is None:
+            return None
+        order = [t.name for t in self.state.tiers]
+        ttl = -1 if rec.expire_at is None else max(0, rec.expire_at - now_ms())
+        return {
+            "tiers": [n for n in order if n in rec.tiers],
+            "size": rec.size,
+            "tokens": rec.tokens,
+            "parent": rec.parent.hex(),
+            "children": len(self.state.index.children_of(rec)),
+            "hits": rec.hits,
+            "last_access_ms_ago": int((time.monotonic() - rec.last_access) * 1000),
+            "checksum": rec.checksum.hex(),
+            "codec": rec.codec,
+            "leases": rec.leases,
+            "ttl": ttl,
+        }
+
+    async def delete(self, ns: str, hash: bytes, cascade: bool = False) -> int:
+        """Delete a chunk (and with ``cascade`` its descendants) from every tier; waits for the
+        copies that nobody pins to be freed. Returns how many chunks were deleted."""
+        rec = self.state.live(ChunkKey(ns, hash))
+        if rec is None:
+            return 0
+        victims = [rec, *(self.state.index.descendants(rec) if cascade else ())]
+        events = [self.state.retire(r) for r in victims]
+        waits = [e.wait() for r, e in zip(victims, events, strict=True)
+                 if e is not None and not r.pins]  # fmt: skip
+        await asyncio.gather(*waits)
+        return len(victims)
+
+    # -- statistics --------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        state = self.state
+        out: dict[str, dict[str, Any]] = {}
+        for tier in state.tiers:
+            row: dict[str, Any] = {
+                "capacity": tier.capacity,
+                "used": tier.used,
+                "chunks": state.index.count_in.get(tier.name, 0),
+                "bytes": state.index.bytes_in.get(tier.name, 0),
+            }
+            row.update(state.counters[tier.name].as_dict())
+            row["integrity_errors"] = tier.stats.integrity_errors
+            pol = self.placement.policy(tier.name)
+            row["write_policy"] = "write-through" if pol.write_through else "write-back"
+            for k, v in tier.info().items():
+                row.setdefault(k, v)
+            out[tier.name] = row
+        return out
+
+    def info_sections(self) -> dict[str, list[tuple[str, object]]]:
+        tiers: list[tuple[str, object]] = [("tiers", ",".join(t.name for t in self.tiers))]
+        for name, row in self.stats().items():
+            tiers.extend((f"{name}_{k}", v) for k, v in row.items()
+                         if isinstance(v, int | float | str))  # fmt: skip
+        tiers += [
+            ("kv_chunks", len(self.state.index)),
+            ("kv_leases", len(self.state.leases)),
+            ("kv_leases_expired", self.state.leases.expired),
+            ("kv_store_errors", self.state.errors),
+        ]
+        persistence: list[tuple[str, object]] = [
+            (f"rebuild_{k}", round(v, 3) if isinstance(v, float) else v)
+            for k, v in self.rebuild.items()
+        ]
+        return {"tiers": tiers, "persistence": persistence}
+
+    def tier_error_count(self) -> int:
+        return self.state.errors

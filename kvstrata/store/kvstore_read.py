@@ -1,0 +1,272 @@
+"""The read path: KV.GET (zero-copy from DRAM, read-through and promotion from cold tiers),
+KV.LEASE / RELEASE (pinned handles into the shareable DRAM arena) and background prefetch.
+
+A DRAM hit returns a view of the arena slot, pinned until the caller's ``release()``. A hit in
+a lower tier reads straight into a fresh DRAM reservation when there is room (promotion with
+no extra copy; the lower copy is kept) and otherwise into a new buffer. The record is pinned
+while its bytes are read, so a concurrent delete, replacement or eviction waits for the read
+instead of freeing the copy under it; a chunk deleted meanwhile is reported as a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstrata.protocol.errors import CommandError, LeaseError
+from kvstrata.store.index import ChunkRecord
+from kvstrata.store.keys import ChunkKey
+from kvstrata.store.kvstore_state import StoreState
+from kvstrata.store.leases import ReadLease, deadline_after
+from kvstrata.store.placement import Placement
+from kvstrata.tiers.base import (
+    ChunkMissing,
+    Handle,
+    IntegrityError,
+    MemoryTier,
+    Tier,
+    TierError,
+    TierFull,
+)
+from kvstrata.tiers.checksum import checksum
+
+log = logging.getLogger("kvstrata.store")
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """A chunk's bytes; call ``release`` (when set) once done with ``view``."""
+
+    view: memoryview
+    release: Callable[[], None] | None = None
+
+
+class ReadPath:
+    def __init__(self, state: StoreState, placement: Placement) -> None:
+        self.state = state
+        self.placement = placement
+
+    def _unpinner(self, rec: ChunkRecord) -> Callable[[], None]:
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.state.unpin(rec)
+
+        return release
+
+    # -- KV.GET ----------------------------------------------------------------------------------
+
+    async def get(self, ns: str, hash: bytes) -> Payload | None:
+        key = ChunkKey(ns, hash)
+        state = self.state
+        dram = state.dram
+        for attempt in range(4):
+            rec = state.live(key)
+            if rec is None:
+                for tier in state.tiers:
+                    state.counters[tier.name].misses += 1
+                return None
+            if rec.moving and attempt < 3 and (dram is None or dram.name not in rec.tiers):
+                await state.wait_move(rec)  # a promotion is landing it in DRAM: share it
+                continue
+            rec.touch()
+            rec.hits += 1
+            return await self._read(rec)
+        return None
+
+    async def _read(self, rec: ChunkRecord) -> Payload | None:
+        state = self.state
+        for tier in state.tiers:
+            counters = state.counters[tier.name]
+            if tier.name not in rec.tiers:
+                counters.misses += 1
+                continue
+            if isinstance(tier, MemoryTier) and tier.name != "gpu":
+                try:
+                    view = tier.view(rec.key)
+                except TierError as exc:
+                    state.tier_error(tier.name, f"view of {rec.key.hex[:16]}", exc)
+                    state.index.drop_tier(rec, tier.name)
+                    continue
+                state.pin(rec)
+                counters.hits += 1
+                counters.bytes_out += rec.size
+                return Payload(view, self._unpinner(rec))
+            payload = await self._read_through(rec, tier)
+            if payload is not None:
+                counters.hits += 1
+                return payload
+            if not rec.alive:
+                return None
+        state.drop_if_gone(rec)
+        return None
+
+    async def _read_through(self, rec: ChunkRecord, src: Tier) -> Payload | None:
+        state = self.state
+        dram = state.dram
+        state.pin(rec)
+        try:
+            if (
+                dram is not None
+                and rec.size <= self.placement.free_for(dram)
+                and state.begin_move(rec)
+            ):
+                try:
+                    promoted = await self.promote(rec, src)
+                    if promoted:
+                        state.pin(rec)
+                        return Payload(dram.view(rec.key), self._unpinner(rec))
+                finally:
+                    state.end_move(rec)
+                if promoted is None:
+                    return None
+            data = await self.placement.read_copy(rec, src)
+            if data is None or not rec.alive:
+                return None
+            return Payload(memoryview(data), None)
+        finally:
+            state.unpin(rec)
+
+    async def promote(self, rec: ChunkRecord, src: Tier) -> bool | None:
+        """Read ``rec`` from ``src`` into a new DRAM slot and commit it there (the caller holds
+        the move). True: promoted; False: no room (the copy is fine); None: the copy is bad or
+        unreadable, or the chunk was deleted meanwhile."""
+        state = self.state
+        dram = state.dram
+        assert dram is not None
+        key = rec.key
+        try:
+            view = dram.reserve(key, rec.size)
+        except TierFull:
+            return False
+        except TierError as exc:
+            state.tier_error(dram.name, f"reserve for {key.hex[:16]}", exc)
+            return False
+        committed = False
+        try:
+            meta = await src.get(key, view)
+            if meta.checksum != rec.checksum or checksum(view) != rec.checksum:
+                raise IntegrityError(f"{src.name}: checksum mismatch for {key.hex}")
+            if not rec.alive:
+                return None
+            dram.commit(rec.meta())
+            committed = True
+        except TierError as exc:
+            state.tier_error(src.name, f"read of {key.hex[:16]}", exc)
+            if isinstance(exc, IntegrityError | ChunkMissing):
+                await state.delete_copy(rec, src.name)
+            return None
+        finally:
+            if not committed:
+                dram.abort(key)
+        state.index.add_tier(rec, dram.name)
+        state.counters[dram.name].promotions += 1
+        state.counters[dram.name].bytes_in += rec.size
+        state.counters[src.name].bytes_out += rec.size
+        self.placement.kick()
+        return True
+
+    async def ensure_dram(self, rec: ChunkRecord, make_room: bool = True) -> bool:
+        """Bring ``rec`` into DRAM (promoting it from the fastest lower tier holding it)."""
+        state = self.state
+        dram = state.dram
+        assert dram is not None
+        for _ in range(4):
+            if dram.name in rec.tiers:
+                return True
+            if not rec.alive:
+                return False
+            if rec.moving:
+                await state.wait_move(rec)
+                continue
+            src = next((t for t in state.tiers if t.name in rec.tiers and t is not dram), None)
+            if src is None:
+                return False
+            if self.placement.free_for(dram) < rec.size:
+                if not make_room:
+                    return False
+                if not await self.placement.make_room(state.tier_index(dram.name), rec.size):
+                    return False
+                continue
+            if not state.begin_move(rec):
+                continue
+            try:
+                await self.promote(rec, src)
+            finally:
+                state.end_move(rec)
+        return dram.name in rec.tiers
+
+    # -- KV.LEASE / KV.RELEASE -------------------------------------------------------------------
+
+    async def lease(self, ns: str, hashes: Sequence[bytes], ttl_ms: int) -> ReadLease | None:
+        """Pin the leading present chunks (promoting them into DRAM); None when none is."""
+        state = self.state
+        dram = state.dram
+        if dram is None:
+            raise CommandError("KV.LEASE needs a dram tier")
+        records: list[ChunkRecord] = []
+        handles: list[Handle] = []
+        try:
+            for h in hashes:
+                rec = state.live(ChunkKey(ns, h))
+                if rec is None or not await self.ensure_dram(rec) or not rec.alive:
+                    break
+                handle = dram.handle(rec.key)
+                state.pin(rec)
+                rec.leases += 1
+                rec.touch()
+                rec.hits += 1
+                records.append(rec)
+                handles.append(handle)
+        except BaseException:
+            self._unpin_all(records)
+            raise
+        if not records:
+            return None
+        lease = ReadLease(
+            id=state.leases.new_id(),
+            namespace=ns,
+            records=tuple(records),
+            handles=tuple(handles),
+            deadline=deadline_after(ttl_ms, state.leases.clock),
+        )
+        state.leases.add(lease)
+        state.counters[dram.name].hits += len(records)
+        return lease
+
+    def _unpin_all(self, records: Sequence[ChunkRecord]) -> None:
+        for rec in records:
+            rec.leases -= 1
+            self.state.unpin(rec)
+
+    def end_read_lease(self, lease: ReadLease) -> None:
+        self._unpin_all(lease.records)
+
+    def release(self, lease_id: str) -> None:
+        leases = self.state.leases
+        lease = leases.get(lease_id)
+        if lease is None:
+            raise LeaseError(f"no such lease {lease_id!r} (unknown, ended or expired)")
+        if not isinstance(lease, ReadLease):
+            raise LeaseError(f"lease {lease_id} is a write lease; use KV.COMMIT or KV.ABORT")
+        leases.pop(lease_id)
+        self.end_read_lease(lease)
+        if leases.is_expired(lease):
+            raise LeaseError(f"lease {lease_id} expired")
+
+    # -- prefetch --------------------------------------------------------------------------------
+
+    async def prefetch(self, records: Sequence[ChunkRecord]) -> int:
+        """Promote chunks below DRAM into DRAM where there is room (no eviction for them)."""
+        dram = self.state.dram
+        if dram is None:
+            return 0
+        done = 0
+        for rec in records:
+            if rec.alive and dram.name not in rec.tiers and await self.ensure_dram(rec, False):
+                done += 1
+        return done

@@ -1,0 +1,271 @@
+"""Shared state of the KV store: tiers, index, counters, pins, key ownership, background tasks.
+
+The store's modules (placement, the read and write paths, the facade) all work on one
+:class:`StoreState`. Bookkeeping is synchronous; only tier I/O is awaited.
+
+Key ownership — why no torn or lost chunk can appear although tier I/O is awaited:
+
+- At most one *record object* owns a key's copies in the tiers at any time: the live record,
+  or a *retired* one (deleted, replaced or expired) whose copies are still being freed.
+- A **writer** (a PUT in flight, a reserved payload sink, a write lease) claims the key in
+  ``writers`` before it reserves or writes anything, and only while no live or retired record
+  exists (a replacing PUT retires the old record first and waits for its copies to be freed).
+  Other writers of the key wait for the claim to end (async PUT) or get ``None``/``BUSY``
+  (synchronous reservations).
+- A **mover** (promotion, demotion, eviction) flags the live record ``moving`` and pins it;
+  at most one mover per record. A retired record is freed only once it is unpinned and not
+  moving, so no copy disappears under a reader, a lease or a mover.
+
+These are ownership markers, not locks: each operation owns at most one key at a time, and
+no waiter holds anything, so there is no lock order and no deadlock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvstrata.config import Config
+from kvstrata.store.index import ChunkIndex, ChunkRecord
+from kvstrata.store.keys import ChunkKey
+from kvstrata.store.keyspace import Entry, Keyspace, now_ms
+from kvstrata.store.leases import LeaseTable
+from kvstrata.tiers.base import MemoryTier, Tier, TierError
+
+log = logging.getLogger("kvstrata.store")
+
+#: Tier names in fast → slow order; unknown names sort after them in the given order.
+TIER_ORDER = ("gpu", "dram", "nvme", "s3")
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """What the store counts per tier (KV.STATS, INFO tiers)."""
+
+    hits: int = 0
+    misses: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    evictions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def order_tiers(tiers: list[Tier]) -> list[Tier]:
+    def rank(item: tuple[int, Tier]) -> tuple[int, int]:
+        i, tier = item
+        return (TIER_ORDER.index(tier.name) if tier.name in TIER_ORDER else len(TIER_ORDER), i)
+
+    return [t for _, t in sorted(enumerate(tiers), key=rank)]
+
+
+class StoreState:
+    """See the module docstring."""
+
+    def __init__(self, config: Config, keyspace: Keyspace, tiers: list[Tier]) -> None:
+        self.config = config
+        self.keyspace = keyspace
+        self.tiers = order_tiers(tiers)
+        self.by_name = {t.name: t for t in self.tiers}
+        if len(self.by_name) != len(self.tiers):
+            raise ValueError(f"two tiers share a name: {[t.name for t in self.tiers]}")
+        dram = self.by_name.get("dram")
+        self.dram: MemoryTier | None = dram if isinstance(dram, MemoryTier) else None
+        self.index = ChunkIndex()
+        self.counters = {t.name: TierCounters() for t in self.tiers}
+        self.writers: dict[ChunkKey, asyncio.Event] = {}
+        self.retired: dict[ChunkKey, asyncio.Event] = {}
+        self.moves: dict[ChunkKey, asyncio.Event] = {}
+        self.freeing: set[ChunkKey] = set()
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.leases = LeaseTable()
+        self.errors = 0
+        keyspace.register_type("kvchunk", self._on_keyspace_delete)
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    def live(self, key: ChunkKey, now: int | None = None) -> ChunkRecord | None:
+        """The committed, unexpired record of ``key`` (an expired one is deleted here)."""
+        rec = self.index.get(key)
+        if rec is None:
+            return None
+        if rec.expire_at is not None and rec.expire_at <= (now_ms() if now is None else now):
+            self.keyspace.lookup(rec.redis_key())  # expires it: calls _on_keyspace_delete
+            if rec.alive:  # not in the keyspace (should not happen): retire directly
+                self.retire(rec)
+            return None
+        return rec
+
+    def tier_index(self, name: str) -> int:
+        for i, tier in enumerate(self.tiers):
+            if tier.name == name:
+                return i
+        raise KeyError(name)
+
+    def key_busy(self, key: ChunkKey) -> bool:
+        return key in self.writers or key in self.retired
+
+    # -- errors and tasks -------------------------------------------------------------------
+
+    def tier_error(self, tier: str, what: str, exc: BaseException) -> None:
+        self.errors += 1
+        if tier in self.counters:
+            self.counters[tier].errors += 1
+        log.warning("%s on %s failed: %s: %s", what, tier, type(exc).__name__, exc)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=what)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.errors += 1
+            log.error("background task %s failed", task.get_name(), exc_info=exc)
+
+    async def drain(self) -> None:
+        """Wait until every background task started so far (and their successors) is done."""
+        while self.tasks:
+            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+
+    # -- pins, moves, writers ---------------------------------------------------------------
+
+    def pin(self, rec: ChunkRecord) -> None:
+        rec.pins += 1
+
+    def unpin(self, rec: ChunkRecord) -> None:
+        rec.pins -= 1
+        if rec.pins < 0:
+            log.error("chunk %s unpinned more often than pinned", rec.key.hex)
+            rec.pins = 0
+        if not rec.alive:
+            self.maybe_free(rec)
+
+    def begin_move(self, rec: ChunkRecord) -> bool:
+        if rec.moving or not rec.alive:
+            return False
+        rec.moving = True
+        rec.pins += 1
+        self.moves[rec.key] = asyncio.Event()
+        return True
+
+    def end_move(self, rec: ChunkRecord) -> None:
+        rec.moving = False
+        event = self.moves.pop(rec.key, None)
+        if event is not None:
+            event.set()
+        self.unpin(rec)
+
+    async def wait_move(self, rec: ChunkRecord) -> None:
+        event = self.moves.get(rec.key)
+        if event is not None and rec.moving:
+            await event.wait()
+
+    def claim(self, key: ChunkKey) -> bool:
+        """Become the key's writer (synchronous); False when it is owned by someone else."""
+        if self.key_busy(key):
+            return False
+        self.writers[key] = asyncio.Event()
+        return True
+
+    def release_claim(self, key: ChunkKey) -> None:
+        event = self.writers.pop(key, None)
+        if event is not None:
+            event.set()
+
+    async def wait_key(self, key: ChunkKey) -> None:
+        """Wait until no writer and no retired record owns ``key``."""
+        while True:
+            event = self.writers.get(key) or self.retired.get(key)
+            if event is None:
+                return
+            await event.wait()
+
+    # -- creating and retiring records ------------------------------------------------------
+
+    def publish(self, rec: ChunkRecord) -> None:
+        """Make a committed record visible (index and keyspace)."""
+        self.index.add(rec)
+        self.keyspace.insert(rec.redis_key(), rec)
+
+    def retire(self, rec: ChunkRecord) -> asyncio.Event | None:
+        """Take a live record out of the index and keyspace; free its copies once unpinned.
+        Returns the event set when its copies are gone (None if it was not live)."""
+        if not rec.alive:
+            return self.retired.get(rec.key)
+        self.keyspace.remove(rec.redis_key())
+        return self._retire_removed(rec)
+
+    def _retire_removed(self, rec: ChunkRecord) -> asyncio.Event:
+        self.index.remove(rec)
+        event = asyncio.Event()
+        self.retired[rec.key] = event
+        self.maybe_free(rec)
+        return event
+
+    def _on_keyspace_delete(self, key: bytes, entry: Entry) -> None:
+        """DEL/UNLINK/expiry/FLUSHALL of a ``kv:`` key: the keyspace already dropped it."""
+        if isinstance(entry, ChunkRecord) and entry.alive:
+            self._retire_removed(entry)
+
+    def maybe_free(self, rec: ChunkRecord) -> None:
+        if rec.alive or rec.pins or rec.moving or rec.key in self.freeing:
+            return
+        if rec.key not in self.retired:
+            return
+        self.freeing.add(rec.key)
+        if not rec.tiers:
+            self._freed(rec)
+            return
+        try:
+            self.spawn(self._free(rec), f"free {rec.key.hex[:16]}")
+        except RuntimeError:  # no running loop (interpreter shutdown): nothing to await
+            self._freed(rec)
+
+    async def _free(self, rec: ChunkRecord) -> None:
+        try:
+            for name in list(rec.tiers):
+                await self.delete_copy(rec, name)
+        finally:
+            self._freed(rec)
+
+    def _freed(self, rec: ChunkRecord) -> None:
+        self.freeing.discard(rec.key)
+        event = self.retired.get(rec.key)
+        if event is not None and not event.is_set():
+            del self.retired[rec.key]
+            event.set()
+
+    async def delete_copy(self, rec: ChunkRecord, name: str) -> bool:
+        """Drop ``rec``'s copy in tier ``name`` (index first, then the medium)."""
+        self.index.drop_tier(rec, name)
+        tier = self.by_name.get(name)
+        if tier is None:
+            return False
+        try:
+            return await tier.delete(rec.key)
+        except TierError as exc:
+            self.tier_error(name, f"delete {rec.key.hex[:16]}", exc)
+            return False
+
+    def drop_if_gone(self, rec: ChunkRecord) -> None:
+        """A live record left in no tier is removed (its chunk is no longer cached)."""
+        if rec.alive and not rec.tiers:
+            self.keyspace.remove(rec.redis_key())
+            self.index.remove(rec)
+
+    def now(self) -> float:
+        return time.monotonic()

@@ -1,0 +1,299 @@
+"""The write path: KV.PUT (bytes or a payload sink), KV.RESERVE / COMMIT / ABORT.
+
+A chunk becomes visible only when its bytes are complete and checksummed: it is written into
+an invisible DRAM reservation (the connection receives a large payload straight into it, see
+:meth:`WritePath.reserve_put`), copied to the write-through tiers, then committed and published
+in the index and keyspace in one synchronous step. The key is owned by its writer from the
+first reservation to the publication (see ``kvstore_state``), so with ``NX`` exactly one of
+concurrent writers stores the chunk and the others wait for it and answer 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvstrata.protocol.errors import BusyError, CommandError, LeaseError, OutOfMemoryError
+from kvstrata.store.index import record_from_meta
+from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.store.keyspace import now_ms
+from kvstrata.store.kvstore_state import StoreState
+from kvstrata.store.leases import WriteLease, deadline_after
+from kvstrata.store.placement import Placement
+from kvstrata.tiers.base import Buffer, TierError, TierFull
+from kvstrata.tiers.checksum import checksum
+
+log = logging.getLogger("kvstrata.store")
+
+
+def byte_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class StoreSink:
+    """A reserved, invisible DRAM slot owned by one writer (implements ``PayloadSink``).
+
+    ``abort()`` frees the slot and ends the writer's ownership of the key; it is a no-op once
+    the slot was committed, so callers may always call it in a ``finally``.
+    """
+
+    def __init__(self, state: StoreState, key: ChunkKey, view: memoryview) -> None:
+        self.state = state
+        self.key = key
+        self.view = view
+        self.nbytes = view.nbytes
+        self.consumed = False
+        self.done = False
+
+    def consume(self) -> StoreSink:
+        self.consumed = True
+        return self
+
+    def abort(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.state.dram is not None:
+            self.state.dram.abort(self.key)
+        self.state.release_claim(self.key)
+
+    def committed(self) -> None:
+        self.done = True
+        self.state.release_claim(self.key)
+
+
+class WritePath:
+    def __init__(self, state: StoreState, placement: Placement) -> None:
+        self.state = state
+        self.placement = placement
+
+    # -- synchronous reservation for large payloads ----------------------------------------------
+
+    def reserve_put(self, ns: str, hash: bytes, parent: bytes, nbytes: int) -> StoreSink | None:
+        """A DRAM slot for an arriving KV.PUT payload, or None (the caller buffers it itself)
+        when there is no room now, the chunk exists or another writer owns it."""
+        dram = self.state.dram
+        key = ChunkKey(ns, hash)
+        if dram is None or nbytes <= 0 or nbytes > dram.capacity:
+            return None
+        if self.state.index.get(key) is not None or not self.state.claim(key):
+            return None
+        try:
+            view = dram.reserve(key, nbytes)
+        except TierError:
+            self.state.release_claim(key)
+            self.placement.kick()
+            return None
+        return StoreSink(self.state, key, view)
+
+    # -- KV.PUT ----------------------------------------------------------------------------------
+
+    async def put(
+        self,
+        ns: str,
+        hash: bytes,
+        parent: bytes,
+        payload: Buffer,
+        tokens: int = 0,
+        ttl_ms: int | None = None,
+        nx: bool = False,
+        sink: Any = None,
+    ) -> bool:
+        key = ChunkKey(ns, hash)
+        if sink is not None:
+            if not isinstance(sink, StoreSink) or sink.key != key or sink.done:
+                raise CommandError("payload sink does not belong to this chunk")
+            sink.consume()
+            try:
+                await self.commit_new(key, parent, tokens, ttl_ms, sink.view, sink)
+            finally:
+                sink.abort()
+            return True
+        data = byte_view(payload)
+        state = self.state
+        while True:
+            rec = state.live(key)
+            if rec is not None:
+                if nx:
+                    return False
+                if rec.size == data.nbytes and rec.checksum == checksum(data):
+                    self._refresh(rec.redis_key(), ttl_ms)
+                    return True
+                if rec.leases:
+                    raise BusyError(f"chunk {key.hex} is leased; retry after KV.RELEASE")
+                state.retire(rec)
+            if state.key_busy(key):
+                await state.wait_key(key)
+                continue
+            break
+        state.claim(key)
+        try:
+            await self.commit_new(key, parent, tokens, ttl_ms, data, None)
+        finally:
+            state.release_claim(key)
+        return True
+
+    def _refresh(self, rkey: bytes, ttl_ms: int | None) -> None:
+        self.state.keyspace.set_expire(rkey, None if ttl_ms is None else now_ms() + ttl_ms)
+
+    async def commit_new(
+        self,
+        key: ChunkKey,
+        parent: bytes,
+        tokens: int,
+        ttl_ms: int | None,
+        data: memoryview,
+        sink: StoreSink | None,
+    ) -> None:
+        """Place, checksum and publish a chunk whose key the caller owns."""
+        meta = ChunkMeta(key, parent, tokens, data.nbytes, checksum(data))
+        placed: list[str] = []
+        try:
+            await self._place(meta, data, sink, placed)
+        except Exception:
+            for name in placed:
+                if name != "dram":
+                    await self._undo(key, name)
+            raise
+        rec = record_from_meta(meta, None if ttl_ms is None else now_ms() + ttl_ms)
+        rec.tiers = set(placed)
+        self.state.publish(rec)
+        if sink is not None:
+            sink.committed()  # the slot belongs to the chunk now; the key is free again
+        for name in placed:
+            self.state.counters[name].bytes_in += meta.size
+        self.placement.kick()
+
+    async def _place(
+        self, meta: ChunkMeta, data: memoryview, sink: StoreSink | None, placed: list[str]
+    ) -> None:
+        state = self.state
+        dram = state.dram
+        for j in self.placement.write_through_tiers():
+            tier = state.tiers[j]
+            if tier is dram:
+                continue
+            try:
+                await self.placement.put_with_room(j, meta, data)
+            except TierFull as exc:
+                state.tier_error(tier.name, "write-through", exc)
+                raise OutOfMemoryError(f"write-through to {tier.name} failed: {exc}") from exc
+            except TierError as exc:
+                state.tier_error(tier.name, "write-through", exc)
+                raise CommandError(f"write-through to {tier.name} failed: {exc}") from exc
+            placed.append(tier.name)
+        if dram is not None:
+            if sink is not None:
+                dram.commit(meta)
+                placed.append(dram.name)
+            elif meta.size <= dram.capacity:
+                view = await self.reserve_dram(meta.key, meta.size)
+                if view is not None:
+                    view[:] = data
+                    dram.commit(meta)
+                    placed.append(dram.name)
+        if not placed:
+            await self._place_below(meta, data, placed)
+        if not placed:
+            raise OutOfMemoryError(self.placement.describe_full(meta.size))
+
+    async def _place_below(self, meta: ChunkMeta, data: memoryview, placed: list[str]) -> None:
+        """DRAM cannot take the chunk: store it directly in the first lower tier that can."""
+        for j, tier in enumerate(self.state.tiers):
+            if tier is self.state.dram or tier.name == "gpu":
+                continue
+            try:
+                await self.placement.put_with_room(j, meta, data)
+            except TierError as exc:
+                self.state.tier_error(tier.name, f"put of {meta.key.hex[:16]}", exc)
+                continue
+            placed.append(tier.name)
+            return
+
+    async def _undo(self, key: ChunkKey, name: str) -> None:
+        try:
+            await self.state.by_name[name].delete(key)
+        except TierError as exc:
+            self.state.tier_error(name, f"undo of {key.hex[:16]}", exc)
+
+    async def reserve_dram(self, key: ChunkKey, nbytes: int) -> memoryview | None:
+        """A DRAM reservation for a key the caller owns, making room if needed."""
+        dram = self.state.dram
+        assert dram is not None
+        for attempt in range(2):
+            try:
+                return dram.reserve(key, nbytes)
+            except TierFull:
+                if attempt or not await self.placement.make_room(
+                    self.state.tier_index(dram.name), nbytes
+                ):
+                    return None
+        return None
+
+    # -- KV.RESERVE / COMMIT / ABORT -------------------------------------------------------------
+
+    async def reserve(
+        self, ns: str, hash: bytes, parent: bytes, nbytes: int, tokens: int, ttl_ms: int
+    ) -> WriteLease:
+        """A write lease on a fresh DRAM slot; raises CommandError/BusyError/OOM."""
+        state = self.state
+        dram = state.dram
+        if dram is None:
+            raise CommandError("KV.RESERVE needs a dram tier")
+        if not 0 < nbytes <= dram.capacity:
+            raise CommandError(f"invalid nbytes: must be 1 to {dram.capacity} (the dram size)")
+        key = ChunkKey(ns, hash)
+        if state.live(key) is not None:
+            raise CommandError(f"chunk {key.hex} already exists (KV.DEL it to replace it)")
+        if not state.claim(key):
+            raise BusyError(f"chunk {key.hex} is being written or freed by another client")
+        try:
+            view = await self.reserve_dram(key, nbytes)
+        except BaseException:
+            state.release_claim(key)
+            raise
+        if view is None:
+            state.release_claim(key)
+            raise OutOfMemoryError(self.placement.describe_full(nbytes))
+        sink = StoreSink(state, key, view)
+        lease = WriteLease(
+            id=state.leases.new_id(),
+            key=key,
+            parent=parent,
+            tokens=tokens,
+            size=nbytes,
+            handle=dram.reserved_handle(key),
+            sink=sink,
+            deadline=deadline_after(ttl_ms, state.leases.clock),
+        )
+        state.leases.add(lease)
+        return lease
+
+    def _take_write_lease(self, lease_id: str, verb: str) -> WriteLease:
+        leases = self.state.leases
+        lease = leases.get(lease_id)
+        if lease is None:
+            raise LeaseError(f"no such lease {lease_id!r} (unknown, ended or expired)")
+        if not isinstance(lease, WriteLease):
+            raise LeaseError(f"lease {lease_id} is a read lease; {verb} needs a KV.RESERVE lease")
+        leases.pop(lease_id)
+        if leases.is_expired(lease):
+            lease.sink.abort()
+            raise LeaseError(f"lease {lease_id} expired")
+        return lease
+
+    async def commit(self, lease_id: str) -> None:
+        lease = self._take_write_lease(lease_id, "KV.COMMIT")
+        sink: StoreSink = lease.sink
+        sink.consume()
+        try:
+            await self.commit_new(lease.key, lease.parent, lease.tokens, None, sink.view, sink)
+        finally:
+            sink.abort()
+
+    def abort(self, lease_id: str) -> None:
+        self._take_write_lease(lease_id, "KV.ABORT").sink.abort()
+
+    def end_write_lease(self, lease: WriteLease) -> None:
+        lease.sink.abort()

@@ -1,0 +1,318 @@
+"""Placement and eviction across tiers (fast → slow: gpu, dram, nvme, s3 — those configured).
+
+Policy, per tier:
+
+- ``{tier}-high-watermark`` / ``{tier}-low-watermark`` (fill ratios; a tier without them, such
+  as s3, is unbounded). Above the high mark the background demoter moves chunks out until the
+  tier is below the low mark; a write that does not fit makes room synchronously first.
+- Victims are chosen least-recently-used **among the chunks none of whose children are
+  resident in that tier** (evicting a parent first would strand its children), never pinned
+  (leased, being read, being moved) and never uncommitted (reservations are not in the index).
+- A victim is written back one tier down before its copy leaves (skipped when a lower tier
+  already holds it), or dropped when the tier is the last one.
+- ``{tier}-write-policy = write-through``: PUTs write that tier before they are acknowledged
+  (done by the write path through :meth:`Placement.put_with_room`).
+
+Data structure and complexity: one lazy-deletion min-heap per tier of
+``(last_access, seq, generation, record)`` holding only *candidates* (resident in the tier and
+without resident children there). The index calls :meth:`Placement.changed` whenever a record
+enters or leaves a tier or its resident-children count there moves between zero and non-zero;
+that bumps the record's generation for the tier (invalidating its old entry) and pushes a new
+entry if it is a candidate: O(log n). Accesses only update ``last_access``; a popped entry whose
+stamp is stale is pushed back with the current stamp, so each access costs at most one extra
+O(log n) re-push. Picking a victim is therefore amortized O(log n), plus O(log n) per pinned
+candidate skipped. The heap is rebuilt when stale entries outnumber live ones (O(n), amortized
+O(1) per change).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass
+
+from kvstrata.store.index import ChunkRecord
+from kvstrata.store.keys import ChunkMeta
+from kvstrata.store.kvstore_state import StoreState
+from kvstrata.tiers.base import Buffer, IntegrityError, MemoryTier, Tier, TierError, TierFull
+from kvstrata.tiers.checksum import checksum
+
+log = logging.getLogger("kvstrata.store.placement")
+
+
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    """Watermarks (fill ratios; None = unbounded) and write policy of one tier."""
+
+    name: str
+    high: float | None
+    low: float | None
+    write_through: bool
+
+
+class LruHeap:
+    """Eviction candidates of one tier; see the module docstring."""
+
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+        self._heap: list[tuple[float, int, int, ChunkRecord]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def _valid(self, gen: int, rec: ChunkRecord) -> bool:
+        return rec.alive and gen == rec.gen.get(self.tier) and self.tier in rec.tiers
+
+    def arm(self, rec: ChunkRecord) -> None:
+        """The record's candidacy may have changed: invalidate its entry, push a new one."""
+        gen = rec.gen.get(self.tier, 0) + 1
+        rec.gen[self.tier] = gen
+        if rec.alive and self.tier in rec.tiers and rec.is_leaf_in(self.tier):
+            heapq.heappush(self._heap, (rec.last_access, next(self._seq), gen, rec))
+
+    def requeue(self, rec: ChunkRecord) -> None:
+        """Put back a popped candidate that was skipped (same generation)."""
+        gen = rec.gen.get(self.tier, 0)
+        heapq.heappush(self._heap, (rec.last_access, next(self._seq), gen, rec))
+
+    def pop(self) -> ChunkRecord | None:
+        """The least recently used valid candidate, removed from the heap."""
+        heap = self._heap
+        while heap:
+            stamp, _, gen, rec = heap[0]
+            if not self._valid(gen, rec):
+                heapq.heappop(heap)
+            elif stamp != rec.last_access:
+                heapq.heapreplace(heap, (rec.last_access, next(self._seq), gen, rec))
+            else:
+                heapq.heappop(heap)
+                return rec
+        return None
+
+    def compact(self, live: int) -> None:
+        if len(self._heap) > 2 * live + 1024:
+            self._heap = [e for e in self._heap if self._valid(e[2], e[3])]
+            heapq.heapify(self._heap)
+
+
+class Placement:
+    """Watermarks, victim choice, demotion and eviction for one store."""
+
+    def __init__(self, state: StoreState) -> None:
+        self.state = state
+        self.heaps = {t.name: LruHeap(t.name) for t in state.tiers}
+        self._kick = asyncio.Event()
+        state.index.on_change = self.changed
+
+    # -- policy -------------------------------------------------------------------------------
+
+    def policy(self, name: str) -> TierPolicy:
+        values = self.state.config.values
+        high = values.get(f"{name}-high-watermark")
+        low = values.get(f"{name}-low-watermark")
+        wt = values.get(f"{name}-write-policy") == "write-through"
+        return TierPolicy(name, high, low if low is not None else high, wt)
+
+    def write_through_tiers(self) -> list[int]:
+        return [i for i, t in enumerate(self.state.tiers) if self.policy(t.name).write_through]
+
+    def bounded(self, tier: Tier) -> bool:
+        return self.policy(tier.name).high is not None and tier.capacity > 0
+
+    def free_for(self, tier: Tier) -> int:
+        """Largest chunk that fits now."""
+        if not self.bounded(tier):
+            return 1 << 62
+        if isinstance(tier, MemoryTier):
+            return tier.largest_free()
+        return max(0, tier.capacity - tier.used)
+
+    def above_high(self, tier: Tier) -> bool:
+        pol = self.policy(tier.name)
+        return pol.high is not None and tier.capacity > 0 and tier.used > pol.high * tier.capacity
+
+    # -- index hook and victims ---------------------------------------------------------------
+
+    def changed(self, rec: ChunkRecord, tier: str) -> None:
+        heap = self.heaps.get(tier)
+        if heap is not None:
+            heap.arm(rec)
+            heap.compact(self.state.index.count_in.get(tier, 0))
+
+    @staticmethod
+    def eligible(rec: ChunkRecord) -> bool:
+        return rec.alive and not rec.pins and not rec.moving and not rec.leases
+
+    def pick(self, i: int, need: int) -> list[ChunkRecord]:
+        """Pop LRU leaf candidates of tier ``i`` adding up to at least ``need`` bytes."""
+        heap = self.heaps[self.state.tiers[i].name]
+        victims: list[ChunkRecord] = []
+        skipped: list[ChunkRecord] = []
+        got = 0
+        while got < need:
+            rec = heap.pop()
+            if rec is None:
+                break
+            if not self.eligible(rec):
+                skipped.append(rec)
+                continue
+            victims.append(rec)
+            got += rec.size
+        for rec in skipped:
+            heap.requeue(rec)
+        return victims
+
+    # -- making room ----------------------------------------------------------------------------
+
+    async def make_room(self, i: int, nbytes: int) -> bool:
+        """Move chunks out of tier ``i`` until a chunk of ``nbytes`` fits; False if stuck."""
+        tier = self.state.tiers[i]
+        while True:
+            free = self.free_for(tier)
+            if free >= nbytes:
+                return True
+            if nbytes > tier.capacity:
+                return False
+            if not await self._evict_round(i, nbytes - free):
+                return self.free_for(tier) >= nbytes
+
+    async def evict_to(self, i: int, target_used: float) -> bool:
+        """Move chunks out of tier ``i`` until it uses at most ``target_used`` bytes."""
+        tier = self.state.tiers[i]
+        while tier.used > target_used:
+            if not await self._evict_round(i, int(tier.used - target_used)):
+                return False
+        return True
+
+    async def _evict_round(self, i: int, need: int) -> bool:
+        victims = self.pick(i, max(1, need))
+        if not victims:
+            return False
+        results = await asyncio.gather(*(self.move_down(r, i) for r in victims))
+        return any(results)
+
+    async def enforce(self, i: int) -> None:
+        tier = self.state.tiers[i]
+        if self.above_high(tier):
+            pol = self.policy(tier.name)
+            assert pol.low is not None
+            await self.evict_to(i, pol.low * tier.capacity)
+
+    def kick(self) -> None:
+        """Wake the demoter when some tier is above its high watermark."""
+        if any(self.above_high(t) for t in self.state.tiers):
+            self._kick.set()
+
+    async def run_demoter(self, interval: float = 0.05) -> None:
+        """Keep every bounded tier under its high watermark (cancel the task to stop)."""
+        while True:
+            try:
+                await asyncio.wait_for(self._kick.wait(), interval)
+            except TimeoutError:
+                pass
+            self._kick.clear()
+            for i in range(len(self.state.tiers)):
+                try:
+                    await self.enforce(i)
+                except Exception as exc:
+                    self.state.tier_error(self.state.tiers[i].name, "demotion", exc)
+                    log.exception("demotion from %s failed", self.state.tiers[i].name)
+
+    # -- moving one chunk -----------------------------------------------------------------------
+
+    async def move_down(self, rec: ChunkRecord, i: int) -> bool:
+        """Write ``rec`` back below tier ``i`` (unless a lower tier has it) and drop its copy
+        in tier ``i``; drop it outright from the last tier. True when the copy left."""
+        state = self.state
+        name = state.tiers[i].name
+        if not state.begin_move(rec):
+            return False
+        moved = False
+        try:
+            if name not in rec.tiers:
+                return False
+            lower = state.tiers[i + 1 :]
+            clean = not lower or any(t.name in rec.tiers for t in lower)
+            if not clean and await self._write_lower(rec, i) is None:
+                return False
+            if not rec.alive or rec.pins > 1:
+                return False  # deleted meanwhile (freed later) or a reader pinned it: keep
+            await state.delete_copy(rec, name)
+            if rec.tiers:
+                state.counters[name].demotions += 1
+            else:
+                state.counters[name].evictions += 1
+                state.drop_if_gone(rec)
+            moved = True
+        finally:
+            state.end_move(rec)
+            if not moved and rec.alive and name in rec.tiers:
+                self.changed(rec, name)
+        return moved
+
+    async def _write_lower(self, rec: ChunkRecord, i: int) -> str | None:
+        state = self.state
+        src = state.tiers[i]
+        data = await self.read_copy(rec, src)
+        if data is None:
+            return None
+        meta = rec.meta()
+        for j in range(i + 1, len(state.tiers)):
+            dst = state.tiers[j]
+            try:
+                await self.put_with_room(j, meta, data)
+            except TierError as exc:
+                state.tier_error(dst.name, f"write-back of {rec.key.hex[:16]}", exc)
+                continue
+            state.index.add_tier(rec, dst.name)
+            state.counters[dst.name].bytes_in += rec.size
+            return dst.name
+        return None
+
+    async def read_copy(self, rec: ChunkRecord, src: Tier) -> Buffer | None:
+        """The bytes of ``rec`` in ``src`` (a view for host memory tiers, else a fresh buffer,
+        checked against the record's checksum); None when unreadable (copy dropped)."""
+        if isinstance(src, MemoryTier) and src.name != "gpu":
+            return src.view(rec.key)
+        buf = bytearray(rec.size)
+        try:
+            meta = await src.get(rec.key, memoryview(buf))
+            if meta.checksum != rec.checksum or checksum(buf) != rec.checksum:
+                raise IntegrityError(f"{src.name}: checksum mismatch for {rec.key.hex}")
+        except TierError as exc:
+            self.state.tier_error(src.name, f"read of {rec.key.hex[:16]}", exc)
+            if isinstance(exc, IntegrityError):
+                await self.state.delete_copy(rec, src.name)
+            return None
+        self.state.counters[src.name].bytes_out += rec.size
+        return buf
+
+    async def put_with_room(self, j: int, meta: ChunkMeta, data: Buffer) -> None:
+        """Store ``data`` in tier ``j``, making room first if needed; raises TierError."""
+        tier = self.state.tiers[j]
+        if self.free_for(tier) < meta.size:
+            await self.make_room(j, meta.size)
+        try:
+            await tier.put(meta, data)
+        except TierFull:
+            if not await self.make_room(j, meta.size):
+                raise
+            await tier.put(meta, data)
+
+    def describe_full(self, nbytes: int) -> str:
+        """Why a chunk of ``nbytes`` fits nowhere (for the OOM reply)."""
+        pinned: dict[str, int] = {}
+        for rec in self.state.index:
+            if rec.pins or rec.leases:
+                for t in rec.tiers:
+                    pinned[t] = pinned.get(t, 0) + rec.size
+        parts = []
+        for tier in self.state.tiers:
+            parts.append(
+                f"{tier.name} uses {tier.used} of {tier.capacity} bytes, largest free "
+                f"{min(self.free_for(tier), tier.capacity)}, pinned {pinned.get(tier.name, 0)}"
+            )
+        return f"cannot place a chunk of {nbytes} bytes in any tier: " + "; ".join(parts)
