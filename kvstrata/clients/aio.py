@@ -1,0 +1,244 @@
+"""The asyncio kvstrata client: the typed ``KV.*`` methods of :class:`~kvstrata.clients.Client`,
+awaited, over a pool of :class:`~kvstrata.clients.aioconn.AsyncConnection`.
+
+    async with AsyncClient(port=7379) as kv:
+        n = await kv.match(ns, hashes)
+        view = await kv.get(ns, hashes[0], out=tensor)
+        async with await kv.lease(ns, hashes[:n]) as lease:
+            arrays = lease.arrays(np.float16)
+
+Create it inside the event loop that uses it (``await AsyncClient.connect(...)`` or
+``async with``); connections are opened lazily, at most ``max_connections`` at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+from kvstrata.clients import commands as cmd
+from kvstrata.clients.aioconn import AsyncConnectionPool
+from kvstrata.clients.commands import Call, HashLike, Payload
+from kvstrata.clients.connection import ConnectionSettings
+from kvstrata.clients.leases import LeaseBase, WriteLeaseBase
+from kvstrata.clients.pipeline import PipelineBase
+from kvstrata.clients.results import LeaseId, MatchResult, RegionInfo, TokenMatch
+from kvstrata.clients.sync import settings_from_url
+from kvstrata.protocol.errors import RespError
+from kvstrata.store.hashing import TokenInput
+
+__all__ = ["AsyncClient", "AsyncLease", "AsyncPipeline", "AsyncWriteLease"]
+
+T = TypeVar("T")
+
+
+class AsyncLease(LeaseBase):
+    """A read lease; ``async with`` releases it."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: AsyncClient, *args: Any) -> None:
+        super().__init__(*args)
+        self._client = client
+
+    async def release(self) -> None:
+        if not self.done:
+            self.done = True
+            await self._client.release(self.lease_id)
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
+class AsyncWriteLease(WriteLeaseBase):
+    """A reserved slot; ``async with`` commits on success and aborts on an exception."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: AsyncClient, *args: Any) -> None:
+        super().__init__(*args)
+        self._client = client
+
+    async def commit(self) -> None:
+        if self.done:
+            raise RuntimeError("this write lease is already committed or aborted")
+        self.done = True
+        await self._client.commit(self.lease_id)
+
+    async def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            await self._client.abort(self.lease_id)
+
+    async def __aenter__(self) -> AsyncWriteLease:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if et is None:
+            if not self.done:
+                await self.commit()
+        else:
+            await self.abort()
+
+
+class AsyncPipeline(PipelineBase):
+    """Commands sent in one write on one connection; ``await execute()`` returns results."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        super().__init__()
+        self._client = client
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        calls, self._calls = self._calls, []
+        if not calls:
+            return []
+        async with self._client.pool.connection() as conn:
+            replies = await conn.pipeline([c.args for c in calls], [c.out for c in calls])
+        return self._decode(calls, replies, raise_on_error)
+
+    async def __aenter__(self) -> AsyncPipeline:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._calls = []
+
+
+class AsyncClient:
+    """Async client; see the module docstring. Arguments as :class:`ConnectionSettings`."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 7379, **kwargs: Any) -> None:
+        max_connections = kwargs.pop("max_connections", 8)
+        self.settings = ConnectionSettings(host=host, port=port, **kwargs)
+        self.pool = AsyncConnectionPool(self.settings, max_connections)
+        self._regions: dict[str, RegionInfo] = {}
+
+    @classmethod
+    async def connect(cls, host: str = "127.0.0.1", port: int = 7379, **kwargs: Any) -> AsyncClient:
+        """Create the client and open its first connection (fails fast on a wrong address)."""
+        client = cls(host, port, **kwargs)
+        client.pool.release(await client.pool.acquire())
+        return client
+
+    @classmethod
+    async def from_url(cls, url: str, **kwargs: Any) -> AsyncClient:
+        return await cls.connect(**settings_from_url(url, **kwargs))
+
+    async def _run(self, call: Call[T]) -> T:
+        async with self.pool.connection() as conn:
+            reply = (await conn.pipeline([call.args], [call.out]))[0]
+        if isinstance(reply, RespError):
+            raise reply
+        return call.decode(reply)
+
+    async def execute(self, *args: Any, out: Any = None) -> Any:
+        return await self._run(cmd.raw(args, out))
+
+    def pipeline(self) -> AsyncPipeline:
+        return AsyncPipeline(self)
+
+    async def ping(self) -> bool:
+        return await self._run(cmd.ping())
+
+    async def put(
+        self,
+        ns: str,
+        hash: HashLike,
+        parent: HashLike | None,
+        payload: Payload,
+        tokens: int = 0,
+        ttl_ms: int | None = None,
+        nx: bool = False,
+    ) -> bool:
+        return await self._run(cmd.put(ns, hash, parent, payload, tokens, ttl_ms, nx))
+
+    async def get(self, ns: str, hash: HashLike, out: Any = None) -> Any:
+        return await self._run(cmd.get(ns, hash, out))
+
+    async def mget(
+        self, ns: str, hashes: Sequence[HashLike], outs: Sequence[Any] | None = None
+    ) -> list[Any]:
+        return await self._run(cmd.mget(ns, hashes, outs))
+
+    async def match(self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> int:
+        return await self._run(cmd.match(ns, hashes, prefetch))
+
+    async def match_tiers(
+        self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False
+    ) -> MatchResult:
+        return await self._run(cmd.match_tiers(ns, hashes, prefetch))
+
+    async def match_tokens(
+        self,
+        ns: str,
+        tokens: TokenInput,
+        chunk_tokens: int | None = None,
+        extra: Sequence[bytes | str] = (),
+    ) -> TokenMatch:
+        return await self._run(cmd.match_tokens(ns, tokens, chunk_tokens, extra))
+
+    async def regions(self, refresh: bool = True) -> list[RegionInfo]:
+        if refresh or not self._regions:
+            self._regions = {r.name: r for r in await self._run(cmd.regions())}
+        return list(self._regions.values())
+
+    async def _regions_for(self, names: set[str]) -> dict[str, RegionInfo]:
+        if not names <= self._regions.keys():
+            await self.regions()
+        return self._regions
+
+    async def lease(
+        self, ns: str, hashes: Sequence[HashLike], ttl_ms: int | None = None
+    ) -> AsyncLease | None:
+        grant = await self._run(cmd.lease(ns, hashes, ttl_ms))
+        if grant is None:
+            return None
+        regions = await self._regions_for({h.region for h in grant.handles})
+        return AsyncLease(self, ns, [bytes(cmd.hash_bytes(h)) for h in hashes], grant, regions)
+
+    async def reserve(
+        self,
+        ns: str,
+        hash: HashLike,
+        parent: HashLike | None,
+        nbytes: int,
+        tokens: int = 0,
+        ttl_ms: int | None = None,
+    ) -> AsyncWriteLease:
+        grant = await self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms))
+        regions = await self._regions_for({grant.handle.region})
+        return AsyncWriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
+
+    async def commit(self, lease_id: LeaseId) -> None:
+        await self._run(cmd.commit(lease_id))
+
+    async def abort(self, lease_id: LeaseId) -> None:
+        await self._run(cmd.abort(lease_id))
+
+    async def release(self, lease_id: LeaseId) -> None:
+        await self._run(cmd.release(lease_id))
+
+    async def info(self, ns: str, hash: HashLike) -> dict[str, Any] | None:
+        return await self._run(cmd.info(ns, hash))
+
+    async def delete(self, ns: str, hash: HashLike, cascade: bool = False) -> int:
+        return await self._run(cmd.delete(ns, hash, cascade))
+
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        return await self._run(cmd.stats())
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        if not self.pool._all:
+            self.pool.release(await self.pool.acquire())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,242 @@
+"""Each ``KV.*`` command defined once: its argument vector, its reply decoder, its ``out``.
+
+The sync client, the async client and pipelines all build a :class:`Call` here and only differ
+in how they send it, so a command's wire form and its typed result cannot diverge between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from kvstrata.clients.results import (
+    Handle,
+    LeaseGrant,
+    LeaseId,
+    MatchResult,
+    RegionInfo,
+    ReserveGrant,
+    TokenMatch,
+    as_int,
+    as_map,
+    as_str,
+    parse_handle,
+    parse_region,
+)
+from kvstrata.protocol.errors import RespError
+from kvstrata.store.hashing import TokenInput, pack_tokens
+
+T = TypeVar("T")
+#: A payload: bytes-like, numpy array or CPU torch tensor (sent without copying).
+Payload = Any
+#: A chunk hash: raw bytes (1-64); a ``str`` is taken as hex.
+HashLike = bytes | bytearray | memoryview | str
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One command ready to send and the decoder of its reply."""
+
+    args: tuple[Any, ...]
+    decode: Callable[[Any], T]
+    out: Any = None
+
+
+def _ok(reply: Any) -> None:
+    return None
+
+
+def _same(reply: Any) -> Any:
+    return reply
+
+
+def hash_bytes(value: HashLike) -> bytes | bytearray | memoryview:
+    """A hash as sent on the wire; a ``str`` is read as hex."""
+    return bytes.fromhex(value) if isinstance(value, str) else value
+
+
+def _ttl(ttl_ms: int | None) -> tuple[Any, ...]:
+    return () if ttl_ms is None else ("TTL", int(ttl_ms))
+
+
+def put(
+    ns: str,
+    hash: HashLike,
+    parent: HashLike | None,
+    payload: Payload,
+    tokens: int = 0,
+    ttl_ms: int | None = None,
+    nx: bool = False,
+) -> Call[bool]:
+    args: tuple[Any, ...] = ("KV.PUT", ns, hash_bytes(hash), hash_bytes(parent or b""), payload)
+    args += ("TOKENS", int(tokens)) if tokens else ()
+    args += _ttl(ttl_ms) + (("NX",) if nx else ())
+    return Call(args, bool)
+
+
+def get(ns: str, hash: HashLike, out: Any = None) -> Call[Any]:
+    return Call(("KV.GET", ns, hash_bytes(hash)), _same, out)
+
+
+def mget(ns: str, hashes: Sequence[HashLike], outs: Sequence[Any] | None = None) -> Call[list[Any]]:
+    if outs is not None and len(outs) != len(hashes):
+        raise ValueError("one out buffer per hash")
+    return Call(("KV.MGET", ns, *map(hash_bytes, hashes)), _mget, list(outs) if outs else None)
+
+
+def _mget(reply: Any) -> list[Any]:
+    for item in reply:
+        if isinstance(item, RespError):  # e.g. BufferTooSmall for one element
+            raise item
+    return list(reply)
+
+
+def match(ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> Call[int]:
+    extra = ("PREFETCH",) if prefetch else ()
+    return Call(("KV.MATCH", ns, *map(hash_bytes, hashes), *extra), as_int)
+
+
+def match_tiers(ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> Call[MatchResult]:
+    extra = ("PREFETCH",) if prefetch else ()
+    return Call(("KV.MATCH", ns, *map(hash_bytes, hashes), "WITHTIERS", *extra), _match_tiers)
+
+
+def _match_tiers(reply: Any) -> MatchResult:
+    n, tiers = reply
+    return MatchResult(as_int(n), tuple(as_str(t) for t in tiers))
+
+
+def match_tokens(
+    ns: str,
+    tokens: TokenInput,
+    chunk_tokens: int | None = None,
+    extra: Sequence[bytes | str] = (),
+) -> Call[TokenMatch]:
+    args: tuple[Any, ...] = ("KV.MATCHTOKENS", ns, pack_tokens(tokens))
+    if chunk_tokens is not None:
+        args += ("CHUNK", int(chunk_tokens))
+    if extra:
+        args += ("EXTRA", *extra)
+    return Call(args, _token_match)
+
+
+def _token_match(reply: Any) -> TokenMatch:
+    tokens, chunks, hashes = reply
+    return TokenMatch(as_int(tokens), as_int(chunks), tuple(bytes(h) for h in hashes))
+
+
+def lease(
+    ns: str, hashes: Sequence[HashLike], ttl_ms: int | None = None
+) -> Call[LeaseGrant | None]:
+    return Call(("KV.LEASE", ns, *map(hash_bytes, hashes), *_ttl(ttl_ms)), _lease)
+
+
+def _lease(reply: Any) -> LeaseGrant | None:
+    lease_id, handles = reply
+    if lease_id is None:
+        return None
+    return LeaseGrant(_lease_id(lease_id), tuple(parse_handle(h) for h in handles or ()))
+
+
+def _lease_id(value: Any) -> LeaseId:
+    return value if isinstance(value, int) else bytes(value)
+
+
+def reserve(
+    ns: str,
+    hash: HashLike,
+    parent: HashLike | None,
+    nbytes: int,
+    tokens: int = 0,
+    ttl_ms: int | None = None,
+) -> Call[ReserveGrant]:
+    args: tuple[Any, ...] = (
+        "KV.RESERVE",
+        ns,
+        hash_bytes(hash),
+        hash_bytes(parent or b""),
+        int(nbytes),
+    )
+    args += ("TOKENS", int(tokens)) if tokens else ()
+    return Call(args + _ttl(ttl_ms), _reserve)
+
+
+def _reserve(reply: Any) -> ReserveGrant:
+    lease_id, handle = reply
+    return ReserveGrant(_lease_id(lease_id), parse_handle(handle))
+
+
+def commit(lease_id: LeaseId) -> Call[None]:
+    return Call(("KV.COMMIT", lease_id), _ok)
+
+
+def abort(lease_id: LeaseId) -> Call[None]:
+    return Call(("KV.ABORT", lease_id), _ok)
+
+
+def release(lease_id: LeaseId) -> Call[None]:
+    return Call(("KV.RELEASE", lease_id), _ok)
+
+
+def regions() -> Call[list[RegionInfo]]:
+    return Call(("KV.REGIONS",), _regions)
+
+
+def _regions(reply: Any) -> list[RegionInfo]:
+    return [parse_region(r) for r in reply]
+
+
+def info(ns: str, hash: HashLike) -> Call[dict[str, Any] | None]:
+    return Call(("KV.INFO", ns, hash_bytes(hash)), _info)
+
+
+def _info(reply: Any) -> dict[str, Any] | None:
+    return None if reply is None else as_map(reply)
+
+
+def delete(ns: str, hash: HashLike, cascade: bool = False) -> Call[int]:
+    return Call(("KV.DEL", ns, hash_bytes(hash), *(("CASCADE",) if cascade else ())), as_int)
+
+
+def stats() -> Call[dict[str, dict[str, Any]]]:
+    return Call(("KV.STATS",), _stats)
+
+
+def _stats(reply: Any) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name, value in as_map(reply).items():
+        out[name] = as_map(value) if isinstance(value, dict | list) else {"value": value}
+    return out
+
+
+def ping() -> Call[bool]:
+    return Call(("PING",), lambda r: r == b"PONG")
+
+
+def raw(args: Sequence[Any], out: Any = None) -> Call[Any]:
+    return Call(tuple(args), _same, out)
+
+
+__all__ = [
+    "Call",
+    "Handle",
+    "abort",
+    "commit",
+    "delete",
+    "get",
+    "hash_bytes",
+    "info",
+    "lease",
+    "match",
+    "match_tiers",
+    "match_tokens",
+    "mget",
+    "ping",
+    "put",
+    "raw",
+    "regions",
+    "release",
+    "reserve",
+    "stats",
+]

@@ -1,0 +1,283 @@
+"""Blocking RESP connection and a thread-safe pool of them.
+
+A :class:`Connection` sends each command as a list of buffers with ``socket.sendmsg`` (a large
+payload is never concatenated with its header) and receives with ``recv_into`` into the buffer
+that :class:`~kvstrata.clients.resp.ReplyReader` chooses: its own read buffer for small replies,
+the caller's ``out`` (or one preallocated ``bytearray``) for large bulks. On connect it sends
+``HELLO 3`` (with ``AUTH`` and ``SETNAME`` when given) and ``CLIENT SETINFO LIB-NAME/LIB-VER``
+in one round trip, falling back to RESP2 (and ``AUTH``) when the server refuses ``HELLO 3``.
+
+A failed or timed-out I/O leaves the reply stream in an unknown state, so the connection closes
+itself and raises :class:`ConnectionClosedError`; a pool drops closed connections.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata import __version__
+from kvstrata.clients.resp import BIG_BULK, OutSpec, ReplyReader, command_buffers
+from kvstrata.protocol.errors import NoAuthError, RespError, WrongPassError
+from kvstrata.protocol.frames import Push
+
+__all__ = [
+    "ConnectionClosedError",
+    "ConnectionPool",
+    "ConnectionSettings",
+    "SyncConnection",
+    "handshake_commands",
+    "handshake_result",
+]
+
+_IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
+
+
+class ConnectionClosedError(ConnectionError):
+    """The connection is closed or broke while a command was in flight."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionSettings:
+    """Where and how to connect; shared by the sync and async connections and pools."""
+
+    host: str = "127.0.0.1"
+    port: int = 7379
+    path: str | None = None  # Unix socket path instead of host/port
+    password: str | None = None
+    username: str | None = None
+    client_name: str | None = None
+    protocol: int = 3  # 2 to skip HELLO 3
+    timeout: float | None = None  # per blocking operation, seconds
+    connect_timeout: float | None = 10.0
+    big_bulk: int = BIG_BULK
+
+
+def handshake_commands(s: ConnectionSettings) -> list[list[Any]]:
+    """HELLO (with AUTH/SETNAME) and CLIENT SETINFO, sent together on connect."""
+    cmds: list[list[Any]] = []
+    if s.protocol == 3:
+        hello: list[Any] = ["HELLO", 3]
+        if s.password is not None:
+            hello += ["AUTH", s.username or "default", s.password]
+        if s.client_name:
+            hello += ["SETNAME", s.client_name]
+        cmds.append(hello)
+    else:
+        if s.password is not None:
+            cmds.append(["AUTH", *([s.username] if s.username else []), s.password])
+        if s.client_name:
+            cmds.append(["CLIENT", "SETNAME", s.client_name])
+    cmds.append(["CLIENT", "SETINFO", "LIB-NAME", "kvstrata-py"])
+    cmds.append(["CLIENT", "SETINFO", "LIB-VER", __version__])
+    return cmds
+
+
+def handshake_result(s: ConnectionSettings, replies: list[Any]) -> tuple[int, list[list[Any]]]:
+    """The protocol in use and the commands still to send (RESP2 fallback), or raise."""
+    if s.protocol != 3:
+        for reply in replies[: len(replies) - 2]:
+            if isinstance(reply, RespError):
+                raise reply
+        return 2, []
+    hello = replies[0]
+    if not isinstance(hello, RespError):
+        return 3, []
+    if isinstance(hello, NoAuthError | WrongPassError):
+        raise hello
+    fallback: list[list[Any]] = []
+    if s.password is not None:
+        fallback.append(["AUTH", *([s.username] if s.username else []), s.password])
+    if s.client_name:
+        fallback.append(["CLIENT", "SETNAME", s.client_name])
+    return 2, fallback
+
+
+def raise_first_error(replies: list[Any]) -> None:
+    for reply in replies:
+        if isinstance(reply, RespError):
+            raise reply
+
+
+class SyncConnection:
+    """One blocking connection. Not thread-safe: share a :class:`ConnectionPool` instead."""
+
+    def __init__(self, settings: ConnectionSettings | None = None) -> None:
+        self.settings = s = settings or ConnectionSettings()
+        self._pending: deque[OutSpec] = deque()
+        self._replies: deque[Any] = deque()
+        self._reader = ReplyReader(self._on_reply, self._peek_out, s.big_bulk)
+        self.protocol = 2
+        self.closed = False
+        self._sock = self._open()
+        try:
+            self._handshake()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> socket.socket:
+        s = self.settings
+        if s.path:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(s.connect_timeout)
+            sock.connect(s.path)
+        else:
+            sock = socket.create_connection((s.host, s.port), timeout=s.connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(s.timeout)
+        return sock
+
+    def _handshake(self) -> None:
+        cmds = handshake_commands(self.settings)
+        self.protocol, fallback = handshake_result(self.settings, self.pipeline(cmds))
+        if fallback:
+            raise_first_error(self.pipeline(fallback))
+
+    def _on_reply(self, value: Any) -> None:
+        if isinstance(value, Push):
+            return  # out-of-band (RESP3 push); kvstrata clients subscribe to nothing
+        self._pending.popleft()
+        self._replies.append(value)
+
+    def _peek_out(self) -> OutSpec:
+        return self._pending[0] if self._pending else None
+
+    def execute(self, *args: Any, out: OutSpec = None) -> Any:
+        """Send one command and return its reply; an error reply is raised."""
+        reply = self.pipeline([args], [out])[0]
+        if isinstance(reply, RespError):
+            raise reply
+        return reply
+
+    def pipeline(
+        self, commands: Sequence[Sequence[Any]], outs: Sequence[OutSpec] | None = None
+    ) -> list[Any]:
+        """Send all commands, then read all replies (error replies are returned, not raised)."""
+        if self.closed:
+            raise ConnectionClosedError("connection is closed")
+        buffers: list[Any] = []
+        for cmd in commands:
+            buffers += command_buffers(cmd)
+        outs = list(outs) if outs is not None else [None] * len(commands)
+        if len(outs) != len(commands):
+            raise ValueError("one out per command")
+        try:
+            self._pending.extend(outs)
+            self._sendall(buffers)
+            return self._read(len(commands))
+        except (OSError, RespError) as exc:
+            self.close()
+            if isinstance(exc, RespError):  # a protocol error: the stream is unusable
+                raise
+            raise ConnectionClosedError(f"connection lost: {exc}") from exc
+        except BaseException:
+            self.close()  # e.g. KeyboardInterrupt mid-reply: the stream is out of step
+            raise
+
+    def _sendall(self, buffers: list[Any]) -> None:
+        bufs = [b if isinstance(b, bytes) else memoryview(b).cast("B") for b in buffers]
+        i = 0
+        while i < len(bufs):
+            sent = self._sock.sendmsg(bufs[i : i + _IOV_MAX])
+            while sent:
+                size = len(bufs[i])
+                if sent >= size:
+                    sent -= size
+                    i += 1
+                else:
+                    bufs[i] = memoryview(bufs[i])[sent:]
+                    sent = 0
+
+    def _read(self, count: int) -> list[Any]:
+        reader, sock, replies = self._reader, self._sock, self._replies
+        while len(replies) < count:
+            n = sock.recv_into(reader.get_buffer())
+            if n == 0:
+                raise ConnectionClosedError("server closed the connection")
+            reader.buffer_updated(n)
+        return [replies.popleft() for _ in range(count)]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._pending.clear()
+        self._replies.clear()
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> SyncConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ConnectionPool:
+    """A thread-safe pool of :class:`SyncConnection`, created on demand up to a maximum."""
+
+    def __init__(self, settings: ConnectionSettings, max_connections: int = 16) -> None:
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        self.settings = settings
+        self.max_connections = max_connections
+        self._idle: list[SyncConnection] = []
+        self._count = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def acquire(self, timeout: float | None = None) -> SyncConnection:
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise ConnectionClosedError("pool is closed")
+                if self._idle:
+                    return self._idle.pop()
+                if self._count < self.max_connections:
+                    self._count += 1
+                    break
+                if not self._cond.wait(timeout):
+                    raise TimeoutError("no free connection in the pool")
+        try:
+            return SyncConnection(self.settings)  # connect outside the lock
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+
+    def release(self, conn: SyncConnection) -> None:
+        with self._cond:
+            if conn.closed or self._closed:
+                self._count -= 1
+                conn.close()
+            else:
+                self._idle.append(conn)
+            self._cond.notify()
+
+    @contextmanager
+    def connection(self) -> Iterator[SyncConnection]:
+        conn = self.acquire()
+        try:
+            yield conn
+        finally:
+            self.release(conn)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._count -= len(idle)
+            self._cond.notify_all()
+        for conn in idle:
+            conn.close()

@@ -1,0 +1,274 @@
+"""Zero-copy access to chunks the server shares: map each region once, view handles in it.
+
+``shm`` regions (the server's DRAM arena) are POSIX shared memory: they are opened with
+``multiprocessing.shared_memory.SharedMemory(name, create=False)`` once per process and
+unregistered from Python's resource tracker, which would otherwise unlink the server's arena
+when this process exits. A handle (region, offset, length) then becomes a ``memoryview``, a numpy
+array (``np.frombuffer``) or a torch tensor (``torch.frombuffer``) over the same pages: no copy.
+Views of a read lease are read-only (numpy) or must be treated as such (torch has no read-only
+tensors); views of a reserved slot are writable.
+
+``cuda`` regions (the server's GPU pool) carry a CUDA IPC memory handle (hex of the 64-byte
+``cudaIpcMemHandle_t``). They are opened with CuPy (``cupy.cuda.runtime.ipcOpenMemHandle``) when
+it is installed, else through the CUDA runtime that torch loads (``cudaIpcOpenMemHandle`` via
+ctypes), and exposed as torch tensors or CuPy arrays on the region's device. Without CUDA the
+functions raise :class:`CudaUnavailable` saying so.
+
+A view stays valid while its lease is held: after ``release``/``commit`` the server may reuse the
+bytes, so copy out what must outlive the lease.
+"""
+
+from __future__ import annotations
+
+import threading
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import numpy as np
+
+from kvstrata.clients.results import Handle, RegionInfo
+
+__all__ = [
+    "CudaUnavailable",
+    "HandleViews",
+    "RegionMapError",
+    "close_all",
+    "handle_array",
+    "handle_tensor",
+    "handle_view",
+    "map_shm",
+]
+
+
+class RegionMapError(RuntimeError):
+    """A region cannot be mapped here (another host, gone, wrong kind, out of bounds)."""
+
+
+class CudaUnavailable(RegionMapError):
+    """A ``cuda`` handle was given but this process has no usable CUDA."""
+
+
+_lock = threading.Lock()
+_shm: dict[str, shared_memory.SharedMemory] = {}
+_cuda: dict[tuple[str, int], int] = {}  # (IPC handle hex, device) -> device pointer
+
+
+def map_shm(region: RegionInfo) -> memoryview:
+    """The whole ``shm`` region as a writable memoryview (mapped once per process)."""
+    if region.kind != "shm":
+        raise RegionMapError(f"region {region.name!r} is {region.kind!r}, not shm")
+    with _lock:
+        shm = _shm.get(region.path)
+        if shm is None:
+            shm = _open_shm(region)
+            _shm[region.path] = shm
+    buf = shm.buf
+    assert buf is not None
+    return buf
+
+
+def _open_shm(region: RegionInfo) -> shared_memory.SharedMemory:
+    try:
+        shm = shared_memory.SharedMemory(name=region.path, create=False)
+    except FileNotFoundError:
+        raise RegionMapError(
+            f"shared memory {region.path!r} of region {region.name!r} does not exist here "
+            "(is the server on another host?)"
+        ) from None
+    try:  # Python registers even attached segments; the server owns (and unlinks) this one
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    if shm.size < region.size:
+        shm.close()
+        raise RegionMapError(f"region {region.name!r} is {shm.size} bytes, expected {region.size}")
+    return shm
+
+
+def _check_bounds(region: RegionInfo, handle: Handle) -> None:
+    if handle.region != region.name:
+        raise RegionMapError(f"handle is in region {handle.region!r}, not {region.name!r}")
+    if handle.offset < 0 or handle.length < 0 or handle.offset + handle.length > region.size:
+        raise RegionMapError(f"handle {handle} lies outside region {region.name!r}")
+
+
+def handle_view(region: RegionInfo, handle: Handle, writable: bool = False) -> memoryview:
+    """The handle's bytes in an ``shm`` region as a memoryview (read-only unless writable)."""
+    _check_bounds(region, handle)
+    view = map_shm(region)[handle.offset : handle.offset + handle.length]
+    return view if writable else view.toreadonly()
+
+
+def handle_array(
+    region: RegionInfo, handle: Handle, dtype: Any = np.uint8, writable: bool = False
+) -> np.ndarray:
+    """The handle's bytes as a 1-D numpy array of ``dtype`` (``shm`` regions only)."""
+    _check_bounds(region, handle)
+    dt = np.dtype(dtype)
+    if handle.length % dt.itemsize:
+        raise ValueError(f"{handle.length} bytes are not a whole number of {dt} items")
+    arr = np.frombuffer(
+        map_shm(region), dtype=dt, count=handle.length // dt.itemsize, offset=handle.offset
+    )
+    if not writable:
+        arr.flags.writeable = False
+    return arr
+
+
+def handle_tensor(region: RegionInfo, handle: Handle, dtype: Any = None) -> Any:
+    """The handle's bytes as a 1-D torch tensor (CPU for ``shm``, CUDA for ``cuda`` regions)."""
+    import torch
+
+    dtype = torch.uint8 if dtype is None else dtype
+    _check_bounds(region, handle)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if handle.length % itemsize:
+        raise ValueError(f"{handle.length} bytes are not a whole number of {dtype} items")
+    if region.kind == "cuda":
+        return _cuda_tensor(region, handle, dtype)
+    if handle.length == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(
+        map_shm(region), dtype=dtype, count=handle.length // itemsize, offset=handle.offset
+    )
+
+
+def _cuda_tensor(region: RegionInfo, handle: Handle, dtype: Any) -> Any:
+    import torch
+
+    ptr = _open_cuda(region)
+    nbytes = handle.length
+    holder = _CudaArray(ptr + handle.offset, nbytes)
+    flat = torch.as_tensor(holder, device=f"cuda:{region.device}")
+    return flat.view(dtype)
+
+
+class _CudaArray:
+    """Exposes device memory through ``__cuda_array_interface__`` (no copy, no ownership)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def _open_cuda(region: RegionInfo) -> int:
+    if region.kind != "cuda":
+        raise RegionMapError(f"region {region.name!r} is {region.kind!r}, not cuda")
+    key = (region.path, region.device)
+    with _lock:
+        ptr = _cuda.get(key)
+        if ptr is None:
+            raw = bytes.fromhex(region.path)
+            ptr = _ipc_open(raw, max(region.device, 0))
+            _cuda[key] = ptr
+    return ptr
+
+
+def _ipc_open(raw: bytes, device: int) -> int:
+    """Open a CUDA IPC memory handle: CuPy when installed, else torch's CUDA runtime."""
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None:
+        try:
+            with cupy.cuda.Device(device):
+                return int(cupy.cuda.runtime.ipcOpenMemHandle(raw))
+        except Exception as exc:  # CUDARuntimeError and friends, also "no device"
+            raise CudaUnavailable(f"CuPy could not open the CUDA IPC handle: {exc}") from exc
+    try:
+        import torch
+    except ImportError:
+        raise CudaUnavailable("a cuda region needs CuPy or torch with CUDA") from None
+    if not torch.cuda.is_available():
+        raise CudaUnavailable(
+            "the server shares GPU memory (cuda region) but CUDA is not available in this "
+            "process; use KV.GET or ask the server for host (shm) leases"
+        )
+    return _ipc_open_ctypes(raw, device)
+
+
+def _ipc_open_ctypes(raw: bytes, device: int) -> int:
+    import ctypes
+
+    import torch
+
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    lib = _cudart()
+
+    class IpcMemHandle(ctypes.Structure):
+        _fields_ = [("reserved", ctypes.c_char * 64)]
+
+    if len(raw) != 64:
+        raise RegionMapError(f"a CUDA IPC handle is 64 bytes, got {len(raw)}")
+    handle = IpcMemHandle()
+    ctypes.memmove(ctypes.byref(handle), raw, 64)
+    ptr = ctypes.c_void_p()
+    lib.cudaIpcOpenMemHandle.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p),
+        IpcMemHandle,
+        ctypes.c_uint,
+    ]
+    rc = lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), handle, 1)  # cudaIpcMemLazyEnablePeerAccess
+    if rc != 0:
+        raise RegionMapError(f"cudaIpcOpenMemHandle failed with CUDA error {rc}")
+    return int(ptr.value or 0)
+
+
+def _cudart() -> Any:
+    """The CUDA runtime library torch loaded (``libcudart``), found by name."""
+    import ctypes
+    import ctypes.util
+
+    for name in ("libcudart.so", "libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    found = ctypes.util.find_library("cudart")
+    if found:
+        return ctypes.CDLL(found)
+    raise CudaUnavailable("libcudart not found (install CuPy, or torch built with CUDA)")
+
+
+class HandleViews:
+    """Views of a lease's handles; the regions they name must be in ``regions``."""
+
+    __slots__ = ("_regions", "_writable")
+
+    def __init__(self, regions: dict[str, RegionInfo], writable: bool) -> None:
+        self._regions = regions
+        self._writable = writable
+
+    def _region(self, handle: Handle) -> RegionInfo:
+        try:
+            return self._regions[handle.region]
+        except KeyError:
+            raise RegionMapError(f"unknown region {handle.region!r} (not in KV.REGIONS)") from None
+
+    def _view(self, handle: Handle) -> memoryview:
+        return handle_view(self._region(handle), handle, self._writable)
+
+    def _array(self, handle: Handle, dtype: Any) -> np.ndarray:
+        return handle_array(self._region(handle), handle, dtype, self._writable)
+
+    def _tensor(self, handle: Handle, dtype: Any) -> Any:
+        return handle_tensor(self._region(handle), handle, dtype)
+
+
+def close_all() -> None:
+    """Unmap every region mapped by this process (views into them become invalid)."""
+    with _lock:
+        shms = list(_shm.values())
+        _shm.clear()
+    for shm in shms:
+        try:
+            shm.close()
+        except BufferError:
+            pass  # a live numpy/torch view still exports the buffer; the OS unmaps at exit

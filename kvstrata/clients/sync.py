@@ -1,0 +1,265 @@
+"""The blocking kvstrata client: typed ``KV.*`` methods over a thread-safe connection pool.
+
+    from kvstrata.clients import Client, chunk_hashes
+
+    with Client(port=7379) as kv:
+        hashes = chunk_hashes(token_ids, "llama-3.1-8b@bf16@tp1r0@c256", 256)
+        n = kv.match("llama-3.1-8b@bf16@tp1r0@c256", hashes)
+        kv.get(ns, hashes[0], out=tensor)          # received straight into the tensor
+
+Every method borrows a connection from the pool for one round trip, so one ``Client`` may be
+shared by threads. Error replies raise the exception classes of
+:mod:`kvstrata.protocol.errors` (``LeaseError`` for ``-NOLEASE``, ``OutOfMemoryError`` for
+``-OOM`` …).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlparse
+
+from kvstrata.clients import commands as cmd
+from kvstrata.clients.commands import Call, HashLike, Payload
+from kvstrata.clients.connection import ConnectionPool, ConnectionSettings
+from kvstrata.clients.leases import LeaseBase, WriteLeaseBase
+from kvstrata.clients.pipeline import PipelineBase
+from kvstrata.clients.results import LeaseId, MatchResult, RegionInfo, TokenMatch
+from kvstrata.protocol.errors import RespError
+from kvstrata.store.hashing import TokenInput
+
+__all__ = ["Client", "Lease", "Pipeline", "WriteLease", "settings_from_url"]
+
+T = TypeVar("T")
+
+
+def settings_from_url(url: str, **overrides: Any) -> dict[str, Any]:
+    """``kvstrata://[user:password@]host[:port]`` (also ``redis://``, ``unix:///path``)."""
+    u = urlparse(url)
+    out: dict[str, Any] = {}
+    if u.scheme == "unix":
+        out["path"] = u.path
+    elif u.scheme in ("kvstrata", "redis"):
+        out["host"] = u.hostname or "127.0.0.1"
+        out["port"] = u.port or 7379
+    else:
+        raise ValueError(f"unsupported URL scheme {u.scheme!r}")
+    if u.password is not None:
+        out["password"] = unquote(u.password)
+        if u.username:
+            out["username"] = unquote(u.username)
+    out.update(overrides)
+    return out
+
+
+class Lease(LeaseBase):
+    """A read lease (see :class:`~kvstrata.clients.leases.LeaseBase`); ``with`` releases it."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: Client, *args: Any) -> None:
+        super().__init__(*args)
+        self._client = client
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self._client.release(self.lease_id)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class WriteLease(WriteLeaseBase):
+    """A reserved slot; ``with`` commits it on success and aborts it on an exception."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: Client, *args: Any) -> None:
+        super().__init__(*args)
+        self._client = client
+
+    def commit(self) -> None:
+        if self.done:
+            raise RuntimeError("this write lease is already committed or aborted")
+        self.done = True
+        self._client.commit(self.lease_id)
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self._client.abort(self.lease_id)
+
+    def __enter__(self) -> WriteLease:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if et is None:
+            if not self.done:
+                self.commit()
+        else:
+            self.abort()
+
+
+class Pipeline(PipelineBase):
+    """Commands queued on one connection and sent in one write; ``execute()`` returns results."""
+
+    def __init__(self, client: Client) -> None:
+        super().__init__()
+        self._client = client
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        calls, self._calls = self._calls, []
+        if not calls:
+            return []
+        with self._client.pool.connection() as conn:
+            replies = conn.pipeline([c.args for c in calls], [c.out for c in calls])
+        return self._decode(calls, replies, raise_on_error)
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._calls = []
+
+
+class Client:
+    """Blocking client; see the module docstring. Arguments as :class:`ConnectionSettings`."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 7379, **kwargs: Any) -> None:
+        max_connections = kwargs.pop("max_connections", 16)
+        self.settings = ConnectionSettings(host=host, port=port, **kwargs)
+        self.pool = ConnectionPool(self.settings, max_connections)
+        self._regions: dict[str, RegionInfo] = {}
+        self.pool.release(self.pool.acquire())  # connect now: fail fast on a wrong address
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> Client:
+        return cls(**settings_from_url(url, **kwargs))
+
+    def _run(self, call: Call[T]) -> T:
+        with self.pool.connection() as conn:
+            reply = conn.pipeline([call.args], [call.out])[0]
+        if isinstance(reply, RespError):
+            raise reply
+        return call.decode(reply)
+
+    def execute(self, *args: Any, out: Any = None) -> Any:
+        """Any command; the reply as parsed (see :mod:`kvstrata.clients.resp`)."""
+        return self._run(cmd.raw(args, out))
+
+    def pipeline(self) -> Pipeline:
+        return Pipeline(self)
+
+    def ping(self) -> bool:
+        return self._run(cmd.ping())
+
+    def put(
+        self,
+        ns: str,
+        hash: HashLike,
+        parent: HashLike | None,
+        payload: Payload,
+        tokens: int = 0,
+        ttl_ms: int | None = None,
+        nx: bool = False,
+    ) -> bool:
+        """Store one chunk; False when NX and it exists (or the server declined)."""
+        return self._run(cmd.put(ns, hash, parent, payload, tokens, ttl_ms, nx))
+
+    def get(self, ns: str, hash: HashLike, out: Any = None) -> Any:
+        """The payload (``bytes``; a ``bytearray`` for large ones) or None. With ``out``
+        (bytearray, memoryview, numpy array, CPU tensor) the payload is received into it and a
+        memoryview of the filled bytes is returned; ``BufferTooSmall`` when it does not fit."""
+        return self._run(cmd.get(ns, hash, out))
+
+    def mget(
+        self, ns: str, hashes: Sequence[HashLike], outs: Sequence[Any] | None = None
+    ) -> list[Any]:
+        """Payloads (or None) of several chunks; ``outs``: one buffer per hash."""
+        return self._run(cmd.mget(ns, hashes, outs))
+
+    def match(self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> int:
+        """How many leading chunks of the chain are cached."""
+        return self._run(cmd.match(ns, hashes, prefetch))
+
+    def match_tiers(
+        self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False
+    ) -> MatchResult:
+        return self._run(cmd.match_tiers(ns, hashes, prefetch))
+
+    def match_tokens(
+        self,
+        ns: str,
+        tokens: TokenInput,
+        chunk_tokens: int | None = None,
+        extra: Sequence[bytes | str] = (),
+    ) -> TokenMatch:
+        """Server-side hashing and match of token ids (see ``docs/hashing.md``)."""
+        return self._run(cmd.match_tokens(ns, tokens, chunk_tokens, extra))
+
+    def regions(self, refresh: bool = True) -> list[RegionInfo]:
+        if refresh or not self._regions:
+            self._regions = {r.name: r for r in self._run(cmd.regions())}
+        return list(self._regions.values())
+
+    def _regions_for(self, names: set[str]) -> dict[str, RegionInfo]:
+        if not names <= self._regions.keys():
+            self.regions()
+        return self._regions
+
+    def lease(self, ns: str, hashes: Sequence[HashLike], ttl_ms: int | None = None) -> Lease | None:
+        """Pin chunks for zero-copy reads; None when nothing was leased."""
+        grant = self._run(cmd.lease(ns, hashes, ttl_ms))
+        if grant is None:
+            return None
+        regions = self._regions_for({h.region for h in grant.handles})
+        return Lease(self, ns, [bytes(cmd.hash_bytes(h)) for h in hashes], grant, regions)
+
+    def reserve(
+        self,
+        ns: str,
+        hash: HashLike,
+        parent: HashLike | None,
+        nbytes: int,
+        tokens: int = 0,
+        ttl_ms: int | None = None,
+    ) -> WriteLease:
+        """Reserve an invisible slot to fill in place; commit publishes it."""
+        grant = self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms))
+        regions = self._regions_for({grant.handle.region})
+        return WriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
+
+    def commit(self, lease_id: LeaseId) -> None:
+        self._run(cmd.commit(lease_id))
+
+    def abort(self, lease_id: LeaseId) -> None:
+        self._run(cmd.abort(lease_id))
+
+    def release(self, lease_id: LeaseId) -> None:
+        self._run(cmd.release(lease_id))
+
+    def info(self, ns: str, hash: HashLike) -> dict[str, Any] | None:
+        return self._run(cmd.info(ns, hash))
+
+    def delete(self, ns: str, hash: HashLike, cascade: bool = False) -> int:
+        """Chunks deleted (with ``cascade``, the chunk and its descendants)."""
+        return self._run(cmd.delete(ns, hash, cascade))
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return self._run(cmd.stats())
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
