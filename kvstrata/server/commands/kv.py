@@ -1,0 +1,327 @@
+"""KV.* commands that store, read, match and inspect chunks (leases are in ``kv_lease``).
+
+Handlers validate every argument before touching the store, so bad input gets an error reply
+and changes nothing. Trailing option words (``WITHTIERS``, ``PREFETCH``, ``CASCADE``,
+``TOKENS``, ``TTL``, ``NX``…) are matched case-insensitively; in commands that take a variable
+list of hashes (``KV.MATCH``) a hash equal to an option word must not be the last argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvstrata.protocol.errors import CommandError, RespError, syntax_error
+from kvstrata.protocol.frames import BulkView
+from kvstrata.server.commands.connection import arg_bytes, parse_int
+from kvstrata.server.context import Ctx
+from kvstrata.server.registry import Arg, Args, Reply, command
+from kvstrata.store.keys import MAX_HASH_BYTES, validate_hash, validate_namespace, validate_parent
+
+NS = Arg("namespace", "string")
+HASH = Arg("hash", "string")
+HASHES = Arg("hash", "string", multiple=True)
+PARENT = Arg("parent", "string")
+TTL_MAX = 10 * 365 * 86_400_000
+
+
+def store_of(ctx: Ctx) -> Any:
+    store = ctx.server.store
+    if store is None:
+        raise CommandError("the KV store is not available on this server")
+    return store
+
+
+def int_option(arg: Any, what: str, lo: int, hi: int) -> int:
+    value = parse_int(arg, CommandError(f"invalid {what}: value is not an integer"))
+    if not lo <= value <= hi:
+        raise CommandError(f"invalid {what}: must be {lo} to {hi}, got {value}")
+    return value
+
+
+def parse_options(args: Args, start: int, spec: dict[bytes, Callable[[Any], Any] | None]) -> dict:
+    """``WORD value`` / ``FLAG`` options from ``args[start:]``; ``spec`` maps upper-case words
+    to a value parser (None for a flag). Unknown words and missing values are errors."""
+    out: dict[bytes, Any] = {}
+    i = start
+    while i < len(args):
+        word = arg_bytes(args[i]).upper()
+        if word not in spec:
+            text = word[:64].decode("utf-8", "replace")
+            raise CommandError(f"unknown option '{text}'")
+        parse = spec[word]
+        if parse is None:
+            out[word] = True
+            i += 1
+            continue
+        if i + 1 >= len(args):
+            raise syntax_error()
+        out[word] = parse(args[i + 1])
+        i += 2
+    return out
+
+
+def _tokens(arg: Any) -> int:
+    return int_option(arg, "TOKENS", 0, 2**31 - 1)
+
+
+def _ttl(arg: Any) -> int:
+    return int_option(arg, "TTL", 1, TTL_MAX)
+
+
+def check_hashes(raw: Args) -> list[bytes]:
+    """Hashes of a chain (1–64 bytes each), cheaply: no copy when they are already bytes."""
+    out = []
+    for h in raw:
+        b = h if type(h) is bytes else bytes(h)
+        if not 1 <= len(b) <= MAX_HASH_BYTES:
+            validate_hash(b)
+        out.append(b)
+    return out
+
+
+# -- KV.PUT --------------------------------------------------------------------------------------
+
+
+def _put_sink(ctx: Any, args_so_far: list[Any], nbytes: int) -> Any:
+    """A reserved DRAM slot for the payload (argument 4) of a valid KV.PUT, else None."""
+    if len(args_so_far) != 4:
+        return None
+    store = getattr(ctx.server, "store", None)
+    if store is None:
+        return None
+    try:
+        ns = validate_namespace(args_so_far[1])
+        h = validate_hash(args_so_far[2])
+        parent = validate_parent(args_so_far[3])
+    except RespError:
+        return None
+    return store.reserve_put(ns, h, parent, nbytes)
+
+
+_PUT_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
+    b"TOKENS": _tokens,
+    b"TTL": _ttl,
+    b"NX": None,
+}
+
+
+@command(
+    "KV.PUT",
+    -5,
+    "write denyoom",
+    group="kv",
+    summary="Stores one chunk (parent empty for the first chunk of a chain). A large payload is "
+    "received straight into its DRAM slot. TTL is the chunk's time to live in ms.",
+    arguments=(
+        NS,
+        HASH,
+        PARENT,
+        Arg("payload", "string"),
+        Arg("tokens", "integer", optional=True, token="TOKENS"),
+        Arg("ttl", "integer", optional=True, token="TTL"),
+        Arg("nx", "pure-token", optional=True, token="NX"),
+    ),
+    reply="Integer: 1 when stored, 0 when NX was given and the chunk already exists. "
+    "-OOM when it fits in no tier.",
+    sink=_put_sink,
+)
+async def kv_put(ctx: Ctx, args: Args) -> Reply:
+    ns = validate_namespace(args[1])
+    h = validate_hash(args[2])
+    parent = validate_parent(args[3])
+    opts = parse_options(args, 5, _PUT_OPTIONS)
+    store = store_of(ctx)
+    sink = ctx.sinks.get(4)
+    payload = args[4] if sink is None else sink.view
+    if not memoryview(payload).nbytes:
+        raise CommandError("invalid payload: empty")
+    stored = await store.put(
+        ns, h, parent, payload, opts.get(b"TOKENS", 0), opts.get(b"TTL"), b"NX" in opts, sink
+    )
+    return 1 if stored else 0
+
+
+# -- KV.GET / KV.MGET ----------------------------------------------------------------------------
+
+
+def _reply(payload: Any) -> Reply:
+    return None if payload is None else BulkView(payload.view, payload.release)
+
+
+@command(
+    "KV.GET",
+    3,
+    "readonly",
+    group="kv",
+    summary="Returns a chunk's payload; a chunk in a cold tier is read through (and promoted).",
+    arguments=(NS, HASH),
+    reply="Bulk string: the payload, or null when the chunk is not cached.",
+)
+async def kv_get(ctx: Ctx, args: Args) -> Reply:
+    ns = validate_namespace(args[1])
+    h = validate_hash(args[2])
+    return _reply(await store_of(ctx).get(ns, h))
+
+
+@command(
+    "KV.MGET",
+    -3,
+    "readonly",
+    group="kv",
+    summary="Returns the payloads of several chunks of one namespace.",
+    complexity="O(N) chunks",
+    arguments=(NS, HASHES),
+    reply="Array: one bulk string or null per hash.",
+)
+async def kv_mget(ctx: Ctx, args: Args) -> Reply:
+    ns = validate_namespace(args[1])
+    hashes = check_hashes(args[2:])
+    return [_reply(p) for p in await store_of(ctx).mget(ns, hashes)]
+
+
+# -- KV.MATCH / KV.MATCHTOKENS -------------------------------------------------------------------
+
+_MATCH_WORDS = (b"WITHTIERS", b"PREFETCH")
+
+
+@command(
+    "KV.MATCH",
+    -3,
+    "readonly fast",
+    group="kv",
+    summary="Length of the longest cached prefix of a hash chain, in one round trip. "
+    "WITHTIERS adds the fastest tier of each matched chunk; PREFETCH starts promoting matched "
+    "chunks below DRAM in the background. A hash equal to an option word must not be last.",
+    complexity="O(N) hashes",
+    arguments=(
+        NS,
+        HASHES,
+        Arg("withtiers", "pure-token", optional=True, token="WITHTIERS"),
+        Arg("prefetch", "pure-token", optional=True, token="PREFETCH"),
+    ),
+    reply="Integer: number of leading chunks cached; with WITHTIERS an array [count, [tier, ...]].",
+)
+def kv_match(ctx: Ctx, args: Args) -> Reply:
+    ns = validate_namespace(args[1])
+    end = len(args)
+    flags: set[bytes] = set()
+    while end > 3 and len(args[end - 1]) <= 9 and arg_bytes(args[end - 1]).upper() in _MATCH_WORDS:
+        flags.add(arg_bytes(args[end - 1]).upper())
+        end -= 1
+    hashes = check_hashes(args[2:end])
+    store = store_of(ctx)
+    if b"PREFETCH" in flags:
+        store.prefetch(ns, hashes)
+    if b"WITHTIERS" in flags:
+        tiers = store.match_tiers(ns, hashes)
+        return [len(tiers), tiers]
+    return store.match(ns, hashes)
+
+
+@command(
+    "KV.MATCHTOKENS",
+    -3,
+    "readonly",
+    group="kv",
+    summary="Hashes packed little-endian u32 token ids server side (docs/hashing.md) and matches "
+    "the chain. CHUNK defaults to chunk-tokens; EXTRA takes every remaining argument.",
+    complexity="O(N) tokens",
+    arguments=(
+        NS,
+        Arg("tokens", "string"),
+        Arg("chunk", "integer", optional=True, token="CHUNK"),
+        Arg("extra", "string", optional=True, multiple=True, token="EXTRA"),
+    ),
+    reply="Array: [matched tokens, matched chunks, [hash of every full chunk, ...]].",
+)
+def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
+    ns = validate_namespace(args[1])
+    tokens = args[2]
+    if memoryview(tokens).nbytes % 4:
+        raise CommandError("invalid tokens: length must be a multiple of 4 (packed LE u32)")
+    store = store_of(ctx)
+    chunk = int(store.config.chunk_tokens)
+    extra: list[bytes] = []
+    i = 3
+    while i < len(args):
+        word = arg_bytes(args[i]).upper()
+        if word == b"CHUNK" and i + 1 < len(args):
+            chunk = int_option(args[i + 1], "CHUNK", 1, 1 << 20)
+            i += 2
+        elif word == b"EXTRA" and i + 1 < len(args):
+            extra = [arg_bytes(x) for x in args[i + 1 :]]
+            break
+        elif word in (b"CHUNK", b"EXTRA"):
+            raise syntax_error()
+        else:
+            raise CommandError(f"unknown option '{word[:64].decode('utf-8', 'replace')}'")
+    from kvstrata.store.hashing import chunk_hashes
+
+    hashes = chunk_hashes(arg_bytes(tokens), ns, chunk, extra)
+    matched = store.match(ns, hashes)
+    return [matched * chunk, matched, hashes]
+
+
+# -- KV.INFO / KV.DEL / KV.STATS / KV.REGIONS ----------------------------------------------------
+
+
+@command(
+    "KV.INFO",
+    3,
+    "readonly fast",
+    group="kv",
+    summary="Where a chunk lives and its metadata: tiers, size, tokens, parent, children, hits, "
+    "last access, checksum, leases, TTL.",
+    arguments=(NS, HASH),
+    reply="Map, or null when the chunk is not cached. ttl is -1 without expiry.",
+)
+def kv_info(ctx: Ctx, args: Args) -> Reply:
+    ns = validate_namespace(args[1])
+    h = validate_hash(args[2])
+    return store_of(ctx).info(ns, h)
+
+
+@command(
+    "KV.DEL",
+    -3,
+    "write",
+    group="kv",
+    summary="Deletes a chunk from every tier; CASCADE also deletes its descendants.",
+    complexity="O(N) deleted chunks",
+    arguments=(NS, HASH, Arg("cascade", "pure-token", optional=True, token="CASCADE")),
+    reply="Integer: number of chunks deleted.",
+)
+async def kv_del(ctx: Ctx, args: Args) -> Reply:
+    ns = validate_namespace(args[1])
+    h = validate_hash(args[2])
+    opts = parse_options(args, 3, {b"CASCADE": None})
+    return await store_of(ctx).delete(ns, h, b"CASCADE" in opts)
+
+
+@command(
+    "KV.STATS",
+    1,
+    "readonly",
+    group="kv",
+    summary="Per tier: capacity, used, chunks, hits, misses, promotions, demotions, evictions, "
+    "bytes in and out, errors and the tier's own fields.",
+    reply="Map: tier name → map of counters.",
+)
+def kv_stats(ctx: Ctx, args: Args) -> Reply:
+    return store_of(ctx).stats()
+
+
+@command(
+    "KV.REGIONS",
+    1,
+    "readonly fast",
+    group="kv",
+    summary="The shared memory regions a client maps once to read leased chunks.",
+    reply="Array of maps {name, kind (shm|cuda), size, path, device}.",
+)
+def kv_regions(ctx: Ctx, args: Args) -> Reply:
+    return [
+        {"name": r.name, "kind": r.kind, "size": r.size, "path": r.path, "device": r.device}
+        for r in store_of(ctx).regions()
+    ]

@@ -1,0 +1,147 @@
+"""KV.* lease commands: zero-copy reads (LEASE/RELEASE) and writes (RESERVE/COMMIT/ABORT).
+
+A lease id is an unguessable capability over pinned memory; every lease has a TTL (``TTL ms``,
+default ``lease-ttl``) after which the server ends it. In KV.RESERVE, TTL is the lifetime of
+the write lease (the time to write and commit), not an expiry of the chunk. In KV.LEASE a hash
+equal to ``TTL`` must not be second to last.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstrata.protocol.errors import LeaseError
+from kvstrata.protocol.frames import OK
+from kvstrata.server.commands.connection import arg_bytes
+from kvstrata.server.commands.kv import (
+    HASH,
+    HASHES,
+    NS,
+    PARENT,
+    check_hashes,
+    int_option,
+    parse_options,
+    store_of,
+)
+from kvstrata.server.context import Ctx
+from kvstrata.server.registry import Arg, Args, Reply, command
+from kvstrata.store.keys import validate_hash, validate_namespace, validate_parent
+
+LEASE_TTL_MAX = 86_400_000
+TTL = Arg("ttl", "integer", optional=True, token="TTL")
+LEASE = Arg("lease", "string")
+
+
+def _lease_ttl(arg: Any) -> int:
+    return int_option(arg, "TTL", 1, LEASE_TTL_MAX)
+
+
+def _handle(h: Any) -> list[Any]:
+    return [h.region, h.offset, h.length]
+
+
+def _lease_id(arg: Any) -> str:
+    raw = arg_bytes(arg)
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise LeaseError("no such lease (unknown, ended or expired)") from None
+
+
+@command(
+    "KV.LEASE",
+    -3,
+    "write",
+    group="kv",
+    summary="Zero-copy read: promotes the leading cached chunks into DRAM, pins them and "
+    "returns a handle (region, offset, length) for each, stopping at the first miss.",
+    complexity="O(N) hashes",
+    arguments=(NS, HASHES, TTL),
+    reply="Array: [lease id or null, [[region, offset, length], ...]] (null and an empty list "
+    "when the first chunk is not cached).",
+)
+async def kv_lease(ctx: Ctx, args: Args) -> Reply:
+    ns = validate_namespace(args[1])
+    end = len(args)
+    ttl = None
+    if end >= 5 and arg_bytes(args[end - 2]).upper() == b"TTL":
+        ttl = _lease_ttl(args[end - 1])
+        end -= 2
+    hashes = check_hashes(args[2:end])
+    lease = await store_of(ctx).lease(ns, hashes, ttl)
+    if lease is None:
+        return [None, []]
+    return [lease.id, [_handle(h) for h in lease.handles]]
+
+
+@command(
+    "KV.RESERVE",
+    -5,
+    "write denyoom",
+    group="kv",
+    summary="Zero-copy write: reserves an invisible DRAM slot of nbytes and returns a write "
+    "lease with its handle; KV.COMMIT publishes it. TTL is the lease's lifetime in ms.",
+    arguments=(
+        NS,
+        HASH,
+        PARENT,
+        Arg("nbytes", "integer"),
+        Arg("tokens", "integer", optional=True, token="TOKENS"),
+        TTL,
+    ),
+    reply="Array: [lease id, [region, offset, length]].",
+)
+async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
+    ns = validate_namespace(args[1])
+    h = validate_hash(args[2])
+    parent = validate_parent(args[3])
+    nbytes = int_option(args[4], "nbytes", 1, 2**62)
+    opts = parse_options(
+        args, 5, {b"TOKENS": lambda a: int_option(a, "TOKENS", 0, 2**31 - 1), b"TTL": _lease_ttl}
+    )
+    store = store_of(ctx)
+    lease = await store.reserve(ns, h, parent, nbytes, opts.get(b"TOKENS", 0), opts.get(b"TTL"))
+    return [lease.id, _handle(lease.handle)]
+
+
+@command(
+    "KV.COMMIT",
+    2,
+    "write",
+    group="kv",
+    summary="Publishes a reserved chunk: its checksum is computed over the written bytes, then "
+    "it becomes visible (and is written to write-through tiers).",
+    arguments=(LEASE,),
+    reply="Simple string OK; -NOLEASE for an unknown, expired or read lease.",
+)
+async def kv_commit(ctx: Ctx, args: Args) -> Reply:
+    await store_of(ctx).commit(_lease_id(args[1]))
+    return OK
+
+
+@command(
+    "KV.ABORT",
+    2,
+    "write fast",
+    group="kv",
+    summary="Discards a reserved chunk and frees its slot.",
+    arguments=(LEASE,),
+    reply="Simple string OK; -NOLEASE for an unknown, expired or read lease.",
+)
+def kv_abort(ctx: Ctx, args: Args) -> Reply:
+    store_of(ctx).abort(_lease_id(args[1]))
+    return OK
+
+
+@command(
+    "KV.RELEASE",
+    2,
+    "write fast",
+    group="kv",
+    summary="Ends a read lease: its chunks may be moved or evicted again.",
+    arguments=(LEASE,),
+    reply="Simple string OK; -NOLEASE for an unknown, expired or write lease.",
+)
+def kv_release(ctx: Ctx, args: Args) -> Reply:
+    store_of(ctx).release(_lease_id(args[1]))
+    return OK
