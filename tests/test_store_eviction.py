@@ -1,0 +1,197 @@
+"""Placement scenarios: eviction order, watermarks, leases against eviction, demotion to and
+promotion from lower tiers (a fake tier and the real NvmeTier), OOM."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvstrata.protocol.errors import OutOfMemoryError
+from kvstrata.store.keys import ChunkKey
+from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
+from tests.fakes import FakeTier, chain, make_dram, open_store
+
+NS = "m@c4"
+SLOT = 4096  # the DRAM arena allocates 4096-byte aligned slots
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def blob(i: int, size: int = SLOT) -> bytes:
+    return bytes([i % 251]) * (size - 7) + i.to_bytes(7, "big")
+
+
+async def wait_until(cond, limit: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    for _ in range(int(limit / 0.01)):
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return cond()
+
+
+def test_eviction_order_leaves_first_then_lru() -> None:
+    """Scenario: chains a0→a1→a2 and b0→b1 are stored in that order, then a2 is read. Evicting
+    one chunk at a time from DRAM picks leaves only, least recently used first: b1 (oldest
+    leaf), b0 (now a leaf), a2, a1, a0 — never a parent before its child."""
+
+    async def main() -> None:
+        nvme = FakeTier("nvme")
+        async with open_store([make_dram(64 * SLOT), nvme], start=False) as store:
+            a, b = chain(3, b"a"), chain(2, b"b")
+            for hashes in (a, b):
+                parent = b""
+                for i, h in enumerate(hashes):
+                    assert await store.put(NS, h, parent, blob(i))
+                    parent = h
+            p = await store.get(NS, a[2])
+            p.release()
+            order = []
+            for _ in range(5):
+                victims = store.placement.pick(0, 1)
+                assert len(victims) == 1
+                assert await store.placement.move_down(victims[0], 0)
+                order.append(victims[0].key.hash)
+            assert order == [b[1], b[0], a[2], a[1], a[0]]
+            assert store.placement.pick(0, 1) == []
+            assert store.match_tiers(NS, a) == ["nvme"] * 3
+            assert store.stats()["dram"]["demotions"] == 5
+
+    run(main())
+
+
+def test_background_demoter_keeps_dram_under_high_watermark() -> None:
+    """Scenario: DRAM (16 slots, high 0.5, low 0.25) receives 12 chunks; the demoter writes
+    the coldest back to NVMe until DRAM is at most a quarter full; every chunk still
+    matches and reads back identical."""
+
+    async def main() -> None:
+        nvme = FakeTier("nvme")
+        cfg = {"dram_high_watermark": 0.5, "dram_low_watermark": 0.25}
+        async with open_store([make_dram(16 * SLOT), nvme], **cfg) as store:
+            hashes = chain(12)
+            parent = b""
+            for i, h in enumerate(hashes):
+                assert await store.put(NS, h, parent, blob(i))
+                parent = h
+            dram = store.state.dram
+            assert await wait_until(lambda: dram.used <= 4 * SLOT)
+            assert store.match(NS, hashes) == 12
+            assert len(nvme.data) >= 8
+            tiers = store.match_tiers(NS, hashes)
+            # leaves first: the tail of the chain left DRAM, the head stayed
+            assert tiers[-1] == "nvme" and tiers[0] == "dram"
+            for i, h in enumerate(hashes):
+                p = await store.get(NS, h)
+                assert bytes(p.view) == blob(i)
+                if p.release:
+                    p.release()
+
+    run(main())
+
+
+def test_leased_chunks_are_never_evicted() -> None:
+    """Scenario: a DRAM-only store holds 4 chunks, 2 of them leased; making room for the
+    whole arena evicts the 2 others and keeps the leased ones readable through their
+    handles; a new chunk that needs the leased space gets -OOM naming dram."""
+
+    async def main() -> None:
+        async with open_store([make_dram(4 * SLOT)], start=False) as store:
+            hashes = chain(4)
+            for i, h in enumerate(hashes):
+                assert await store.put(NS, h, b"", blob(i))
+            lease = await store.lease(NS, hashes[:2])
+            assert lease is not None and len(lease.handles) == 2
+            assert not await store.placement.make_room(0, 4 * SLOT)
+            assert store.match(NS, hashes[:2]) == 2
+            assert store.match(NS, hashes[2:3]) == 0 and store.match(NS, hashes[3:]) == 0
+            dram = store.state.dram
+            for i, h in enumerate(lease.handles):
+                assert bytes(dram._buf[h.offset : h.offset + h.length]) == blob(i)
+            with pytest.raises(OutOfMemoryError, match="dram"):
+                await store.put(NS, b"big", b"", b"x" * (3 * SLOT))
+            store.release(lease.id)
+            assert await store.put(NS, b"big", b"", b"x" * (3 * SLOT))
+
+    run(main())
+
+
+def test_promotion_from_lower_tier_keeps_lower_copy() -> None:
+    async def main() -> None:
+        nvme = FakeTier("nvme")
+        async with open_store([make_dram(8 * SLOT), nvme], start=False) as store:
+            assert await store.put(NS, b"x", b"", blob(1))
+            rec = store.index.get(ChunkKey(NS, b"x"))
+            assert await store.placement.move_down(rec, 0)
+            assert rec.tiers == {"nvme"}
+            p = await store.get(NS, b"x")
+            assert bytes(p.view) == blob(1)
+            assert rec.tiers == {"dram", "nvme"}  # promoted, lower copy kept
+            assert store.stats()["dram"]["promotions"] == 1
+            p.release()
+            # a clean copy in DRAM is dropped without a second write
+            puts = nvme.puts
+            assert await store.placement.move_down(rec, 0)
+            assert nvme.puts == puts and rec.tiers == {"nvme"}
+
+    run(main())
+
+
+def test_corrupt_lower_copy_is_a_miss_not_wrong_bytes() -> None:
+    async def main() -> None:
+        nvme = FakeTier("nvme")
+        async with open_store([make_dram(8 * SLOT), nvme], start=False) as store:
+            assert await store.put(NS, b"x", b"", blob(2))
+            rec = store.index.get(ChunkKey(NS, b"x"))
+            assert await store.placement.move_down(rec, 0)
+            nvme.corrupt(ChunkKey(NS, b"x"))
+            assert await store.get(NS, b"x") is None
+            assert store.match(NS, [b"x"]) == 0
+            assert nvme.holds(ChunkKey(NS, b"x")) is None
+            assert store.stats()["nvme"]["errors"] >= 1
+
+    run(main())
+
+
+def test_dram_to_nvme_demotion_and_back_with_real_nvme(tmp_path: Path) -> None:
+    """Scenario: a 3-chunk chain is demoted from DRAM to a real NvmeTier; reading it back
+    through KV.GET and through a lease gives identical bytes and promotes it to DRAM."""
+
+    async def main() -> None:
+        nvme = NvmeTier(NvmeConfig(path=str(tmp_path / "nvme"), capacity=1 << 24))
+        async with open_store([make_dram(16 * SLOT), nvme], start=True) as store:
+            hashes = chain(3)
+            parent = b""
+            for i, h in enumerate(hashes):
+                assert await store.put(NS, h, parent, blob(i, 5000))
+                parent = h
+            assert await store.placement.make_room(0, 16 * SLOT)
+            assert store.match_tiers(NS, hashes) == ["nvme"] * 3
+            p = await store.get(NS, hashes[0])
+            assert bytes(p.view) == blob(0, 5000)
+            p.release()
+            lease = await store.lease(NS, hashes)
+            assert lease is not None and len(lease.handles) == 3
+            dram = store.state.dram
+            for i, h in enumerate(lease.handles):
+                assert bytes(dram._buf[h.offset : h.offset + h.length]) == blob(i, 5000)
+            assert store.match_tiers(NS, hashes) == ["dram"] * 3
+            store.release(lease.id)
+
+    run(main())
+
+
+def test_chunk_larger_than_dram_goes_below() -> None:
+    async def main() -> None:
+        nvme = FakeTier("nvme")
+        async with open_store([make_dram(4 * SLOT), nvme], start=False) as store:
+            data = b"L" * (6 * SLOT)
+            assert await store.put(NS, b"L", b"", data)
+            assert store.match_tiers(NS, [b"L"]) == ["nvme"]
+            p = await store.get(NS, b"L")
+            assert bytes(p.view) == data and p.release is None
+
+    run(main())
