@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from kvstrata.clients.results import MatchResult
+
 
 class FakeKVClient:
     """Implements the :class:`kvstrata.clients.hf.KVClient` protocol on a dict.
@@ -22,7 +24,7 @@ class FakeKVClient:
         self.store: dict[tuple[str, bytes], bytes] = {} if store is None else store
         self.put_gate: threading.Event | None = None
         self.drop: set[bytes] = set()
-        self.puts: list[tuple[str, bytes, bytes, int | None]] = []
+        self.puts: list[tuple[str, bytes, bytes | None, int]] = []
         self.tier = "dram"
 
     def match(self, namespace: str, hashes: Sequence[bytes]) -> int:
@@ -33,24 +35,26 @@ class FakeKVClient:
             n += 1
         return n
 
-    def match_tiers(self, namespace: str, hashes: Sequence[bytes]) -> tuple[int, list[str]]:
+    def match_tiers(self, namespace: str, hashes: Sequence[bytes]) -> MatchResult:
         n = self.match(namespace, hashes)
-        return n, [self.tier] * n
+        return MatchResult(n, (self.tier,) * n)
 
-    def mget(self, namespace: str, hashes: Sequence[bytes], out: Any = None) -> list[Any]:
+    def mget(
+        self, namespace: str, hashes: Sequence[bytes], outs: Sequence[Any] | None = None
+    ) -> list[Any]:
         result: list[Any] = []
         for i, h in enumerate(hashes):
             payload = None if h in self.drop else self.store.get((namespace, h))
-            if payload is None or out is None:
+            if payload is None or outs is None:
                 result.append(payload)
                 continue
-            view = memoryview(out[i]).cast("B")
+            view = memoryview(outs[i]).cast("B")
             view[: len(payload)] = payload
             result.append(view[: len(payload)])
         return result
 
     def put(
-        self, namespace: str, hash: bytes, parent: bytes, payload: Any, *, tokens: int | None = None
+        self, namespace: str, hash: bytes, parent: bytes | None, payload: Any, tokens: int = 0
     ) -> bool:
         if self.put_gate is not None:
             assert self.put_gate.wait(30), "test never opened the put gate"

@@ -4,8 +4,10 @@
 
 1. hashes the prompt's full chunks (:func:`kvstrata.store.hashing.chunk_hashes`) and asks the
    server, in one round trip, how long the cached prefix is (``KV.MATCH``);
-2. loads those chunks (one ``KV.MGET``) and decodes them straight into per-layer key/value
-   tensors preallocated for the whole prefix, which become the layers of a ``DynamicCache``;
+2. loads those chunks (a ``KV.LEASE`` read in place from the server's shared memory when it is
+   on this host, else one ``KV.MGET`` into a kept staging buffer) and decodes them straight
+   into per-layer key/value tensors preallocated for the whole prefix, which become the layers
+   of a ``DynamicCache``;
 3. runs the model only on the rest of the prompt;
 4. hands the prompt's new full chunks to a background thread that encodes and stores them
    (``KV.PUT``), so generation goes on meanwhile (:meth:`HFPrefixCache.wait_stored` joins).
@@ -20,17 +22,17 @@ window and linear-attention layers are refused rather than restored wrongly.
 from __future__ import annotations
 
 import inspect
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvstrata.clients.codecs import get_codec
+from kvstrata.clients.handles import RegionMapError
 from kvstrata.clients.hf_model import KVGeometry, kv_geometry, model_namespace
 from kvstrata.clients.layout import ChunkLayout, pack_chunk, packed_size, unpack_into
 from kvstrata.store.hashing import chunk_hashes
@@ -39,14 +41,19 @@ __all__ = ["GenerateResult", "HFPrefixCache", "KVClient", "PrefillResult", "mode
 
 
 class KVClient(Protocol):
-    """The part of :class:`kvstrata.clients.sync.Client` this module uses."""
+    """The part of :class:`kvstrata.clients.sync.Client` this module uses. It must be safe to
+    call from two threads (the real client is: it borrows a pooled connection per call).
+    Optional: ``match_tiers`` (returns ``.matched`` and ``.tiers``) and ``lease`` (zero-copy
+    reads; returns an object with ``views()`` and ``release()``, or None)."""
 
-    def match(self, namespace: str, hashes: Sequence[bytes]) -> int: ...
+    def match(self, ns: str, hashes: Sequence[bytes]) -> int: ...
 
-    def mget(self, namespace: str, hashes: Sequence[bytes], out: Any = None) -> list[Any]: ...
+    def mget(
+        self, ns: str, hashes: Sequence[bytes], outs: Sequence[Any] | None = None
+    ) -> list[Any]: ...
 
     def put(
-        self, namespace: str, hash: bytes, parent: bytes, payload: Any, *, tokens: int | None = None
+        self, ns: str, hash: bytes, parent: bytes | None, payload: Any, tokens: int = 0
     ) -> Any: ...
 
 
@@ -118,7 +125,11 @@ class HFPrefixCache:
         namespace: str | None = None,
         extra: Sequence[bytes | str] = (),
         store_client: KVClient | None = None,
+        load: Literal["auto", "lease", "mget"] = "auto",
     ) -> None:
+        """``load``: ``lease`` reads chunks in place from the server's shared memory (same
+        host), ``mget`` receives them over the socket, ``auto`` tries a lease and falls back.
+        ``store_client``: a separate client for the background stores (default: ``client``)."""
         self.model = model
         self.client = client
         self.chunk_tokens = chunk_tokens
@@ -127,9 +138,8 @@ class HFPrefixCache:
         self.extra = tuple(extra)
         self.geometry: KVGeometry = kv_geometry(model)
         self._cache_kw = _cache_kwarg(model)
-        # a second client lets stores run while the foreground loads; else share one, locked
+        self.load = load
         self._store_client = store_client or client
-        self._client_lock = threading.Lock() if store_client is None else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-store")
         self._pending: list[Future[int]] = []
         self._stats = _Stats()
@@ -212,52 +222,82 @@ class HFPrefixCache:
 
     # -- steps --------------------------------------------------------------------------------
 
-    def _call(self, client: KVClient, name: str, *args: Any, **kw: Any) -> Any:
-        fn = getattr(client, name)
-        if self._client_lock is None:
-            return fn(*args, **kw)
-        with self._client_lock:
-            return fn(*args, **kw)
-
     def _match(self, hashes: list[bytes]) -> tuple[int, list[str]]:
         if not hashes:
             return 0, []
-        match_tiers = getattr(self.client, "match_tiers", None)
-        if callable(match_tiers):
-            n, tiers = self._call(self.client, "match_tiers", self.namespace, hashes)
-            return int(n), [str(t) for t in tiers]
-        return int(self._call(self.client, "match", self.namespace, hashes)), []
+        if callable(getattr(self.client, "match_tiers", None)):
+            res = self.client.match_tiers(self.namespace, hashes)  # type: ignore[attr-defined]
+            return int(res.matched), [str(t) for t in res.tiers]
+        return int(self.client.match(self.namespace, hashes)), []
 
     def _layout(self, tokens: int) -> ChunkLayout:
         g = self.geometry
         return ChunkLayout(g.layers, g.kv_heads, g.head_dim, tokens, g.dtype, self.codec)
 
-    def _load(self, hashes: list[bytes], reuse: int) -> DynamicCache:
-        """A cache holding the first ``reuse`` tokens, decoded from ``hashes``' chunks."""
+    def _load(self, hashes: list[bytes], want: int) -> DynamicCache:
+        """A cache holding the first ``want`` tokens (fewer if a chunk vanished since the
+        match), decoded from ``hashes``' chunks into tensors preallocated for all of them."""
         cache = DynamicCache(config=self.model.config)
-        if reuse == 0:
+        if want == 0:
             return cache
         g, c = self.geometry, self.chunk_tokens
         device = next(self.model.parameters()).device
         shape = (1, g.kv_heads, len(hashes) * c, g.head_dim)
         keys = [torch.empty(shape, dtype=g.dtype, device=device) for _ in range(g.layers)]
         values = [torch.empty(shape, dtype=g.dtype, device=device) for _ in range(g.layers)]
-        size = packed_size(self._layout(c))
-        buf = self._staging(size * len(hashes))
-        staging = [buf[i * size : (i + 1) * size] for i in range(len(hashes))]
-        payloads = self._call(self.client, "mget", self.namespace, hashes, out=staging)
-        expect = self._layout(c)
-        for i, payload in enumerate(payloads):
-            if payload is None:  # evicted between match and get: recompute from there
-                return self._load(hashes[:i], min(reuse, i * c))
-            sl = slice(i * c, (i + 1) * c)
-            unpack_into(payload, [k[0, :, sl] for k in keys], [v[0, :, sl] for v in values], expect)
-        layers = _dynamic_layers(cache)
-        for layer, k, v in zip(layers, keys, values, strict=True):
+        done = self._fill_leased(hashes, keys, values) if self.load != "mget" else 0
+        if done < len(hashes):
+            done += self._fill_received(hashes[done:], keys, values, done)
+        reuse = min(want, done * c)
+        if reuse == 0:
+            return cache
+        for layer, k, v in zip(_dynamic_layers(cache), keys, values, strict=True):
             k, v = k[:, :, :reuse], v[:, :, :reuse]
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
         return cache
+
+    def _decode(self, payload: Any, index: int, keys: list[Any], values: list[Any]) -> None:
+        sl = slice(index * self.chunk_tokens, (index + 1) * self.chunk_tokens)
+        expect = self._layout(self.chunk_tokens)
+        unpack_into(payload, [k[0, :, sl] for k in keys], [v[0, :, sl] for v in values], expect)
+
+    def _fill_leased(self, hashes: list[bytes], keys: list[Any], values: list[Any]) -> int:
+        """Zero-copy path: lease the chunks and decode from the shared region in place.
+        Returns how many leading chunks were decoded (0 when leases cannot be mapped here)."""
+        lease_fn = getattr(self.client, "lease", None)
+        if not callable(lease_fn):
+            return 0
+        try:
+            lease = lease_fn(self.namespace, hashes)
+            if lease is None:
+                return 0
+            try:
+                views = lease.views()
+                for i, view in enumerate(views):
+                    self._decode(view, i, keys, values)
+                return len(views)
+            finally:
+                lease.release()
+        except RegionMapError:
+            if self.load == "lease":
+                raise
+            self.load = "mget"  # another host or a GPU region: stop trying
+            return 0
+
+    def _fill_received(
+        self, hashes: list[bytes], keys: list[Any], values: list[Any], first: int
+    ) -> int:
+        """One ``KV.MGET`` received into a kept staging buffer, then decoded."""
+        size = packed_size(self._layout(self.chunk_tokens))
+        buf = self._staging(size * len(hashes))
+        outs = [buf[i * size : (i + 1) * size] for i in range(len(hashes))]
+        payloads = self.client.mget(self.namespace, hashes, outs=outs)
+        for i, payload in enumerate(payloads):
+            if payload is None:  # evicted between match and get: compute from here on
+                return i
+            self._decode(payload, first + i, keys, values)
+        return len(payloads)
 
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
@@ -283,15 +323,7 @@ class HFPrefixCache:
             keys = [k[0, :, sl] for k, _ in views]
             values = [v[0, :, sl] for _, v in views]
             payload = pack_chunk(keys, values, self.codec)
-            self._call(
-                self._store_client,
-                "put",
-                self.namespace,
-                h,
-                parent,
-                payload,
-                tokens=sl.stop - sl.start,
-            )
+            self._store_client.put(self.namespace, h, parent, payload, tokens=sl.stop - sl.start)
             stored += 1
             self._stats.stored_chunks += 1
         return stored
