@@ -120,9 +120,12 @@ def start_process_server(
         argv += [f"--{k}", v]
     argv += list(extra)
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 30
     assert proc.stdout is not None
     lines = []

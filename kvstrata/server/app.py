@@ -15,6 +15,7 @@ import secrets
 import signal
 import ssl
 import time
+from pathlib import Path
 from typing import Any
 
 from kvstrata.config import Config
@@ -52,6 +53,7 @@ class Server:
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
         """Build the store, open the listeners and start periodic work."""
+        _ensure_data_dir(self.config.data_dir)
         self.store = await _build_store(self.config, self.keyspace)
         loop = asyncio.get_running_loop()
         hosts = [h.lstrip("-") for h in self.config.binds]
@@ -62,7 +64,7 @@ class Server:
         )  # fmt: skip
         self._servers.append(srv)
         self.port = srv.sockets[0].getsockname()[1]
-        if self.config.tls_port or self.config.tls_cert_file:
+        if self.config.tls_port:
             tls = await loop.create_server(
                 lambda: Connection(self), host=hosts, port=self.config.tls_port,
                 ssl=self._ssl_context(), reuse_address=True,
@@ -167,6 +169,17 @@ class Server:
             if conn.idle_seconds > timeout and not conn.busy and conn not in self.monitors:
                 log.debug("closing idle client %s", conn.client.addr)
                 conn.kill()
+
+
+def _ensure_data_dir(path: str) -> None:
+    """Create the data folder (the embedded default lives there); a clear error otherwise."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"cannot create data-dir {folder}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OSError(f"data-dir {folder} is not writable")
 
 
 def _make_slowlog(config: Config) -> Any:

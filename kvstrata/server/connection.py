@@ -40,6 +40,7 @@ log = logging.getLogger("kvstrata.server")
 BIG = 64 * 1024  # bulk arguments at least this large are received in place
 INITIAL_BUFFER = 256 * 1024
 HIGH_WATER = 4 * 1024 * 1024  # unexecuted bytes buffered before reading pauses
+FLUSH_PARTS = 48  # reply buffers gathered before they are handed to the transport
 _NO_SINKS: dict[int, Any] = {}
 DENIED = (
     b"-DENIED kvstrata is running in protected mode because protected mode is enabled and no "
@@ -198,10 +199,14 @@ class Connection(asyncio.BufferedProtocol):
             self._start, self._end = 0, pending
             return
         limit = self.server.config.client_query_buffer_limit
-        if len(self._buf) * 2 > limit and len(self._buf) >= limit:
-            self._protocol_error(ProtocolError("client query buffer limit reached"))
-            # keep a scratch buffer so the transport can finish its read
+        if len(self._buf) >= limit:
+            # Drop what is buffered (the client is being closed) and report the error from a
+            # fresh callback: closing the transport inside get_buffer is not allowed.
             self._start = self._end = 0
+            if not self._closing:
+                self._closing = True
+                error = ProtocolError("client query buffer limit reached")
+                asyncio.get_running_loop().call_soon(self._protocol_error, error)
             return
         bigger = bytearray(len(self._buf) * 2)
         bigger[:pending] = self._mv[:pending]
@@ -217,6 +222,8 @@ class Connection(asyncio.BufferedProtocol):
             while not self._busy and not self._closing and not self._write_paused:
                 if queue:
                     self._execute(queue.popleft(), _NO_SINKS)
+                    if len(self._out) >= FLUSH_PARTS:
+                        self._flush()  # lets the transport push back (pause_writing)
                 elif self._partial is not None:
                     if not self._continue_partial():
                         break

@@ -141,6 +141,10 @@ class CommandTable:
         else:
             self._by_name[spec.name.lower().encode()] = spec
 
+    def remove(self, name: str) -> None:
+        """Unregister a top-level command (tests register temporary commands)."""
+        self._by_name.pop(name.lower().encode(), None)
+
     def lookup(self, name: bytes) -> CommandSpec | None:
         spec = self._by_name.get(name)
         if spec is None:
