@@ -52,27 +52,47 @@ def _aligned(view: memoryview) -> bool:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) % BLOCK == 0 if view else True
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.pwritev(fd, [view], offset)
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views = views[1:]
+    if views and n:
+        views = [views[0][n:], *views[1:]]
+    return views
+
+
+def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.pwritev(fd, views, offset)
         if n <= 0:
             raise OSError(errno.EIO, "write returned 0 bytes")
-        view, offset = view[n:], offset + n
+        views, offset = _advance(views, n), offset + n
 
 
-def _pread_all(fd: int, view: memoryview, offset: int) -> int:
-    """Read until ``view`` is full or end of file; returns the bytes read."""
+def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill ``views`` from ``offset`` until they are full or the file ends; bytes read."""
+    views = [v for v in views if len(v)]
     total = 0
-    while total < len(view):
-        n = os.preadv(fd, [view[total:]], offset + total)
+    while views:
+        n = os.preadv(fd, views, offset + total)
         if n <= 0:
             break
         total += n
+        views = _advance(views, n)
     return total
 
 
+def _padded(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK * BLOCK
+
+
 class PosixBackend:
-    """pwritev/preadv on a thread pool, with O_DIRECT when ``direct``."""
+    """pwritev/preadv on a thread pool, with O_DIRECT when ``direct``.
+
+    With O_DIRECT and an aligned payload, header, payload and padded last block go in one
+    ``pwritev``/``preadv`` call; otherwise the file image streams through the staging buffer.
+    """
 
     name = "posix"
 
@@ -83,11 +103,14 @@ class PosixBackend:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         fd = os.open(path, flags | (_O_DIRECT if self.direct else 0), 0o644)
         try:
-            if self.direct:
+            if not self.direct:
+                _pwrite_all(fd, [memoryview(header), payload], 0)
+            elif _aligned(payload):
                 self._write_direct(fd, header, payload)
             else:
-                _pwrite_all(fd, memoryview(header), 0)
-                _pwrite_all(fd, payload, HEADER_SIZE)
+                self._write_staged(fd, header, payload)
+            if self.direct and len(payload) % BLOCK:
+                os.ftruncate(fd, HEADER_SIZE + len(payload))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -95,57 +118,75 @@ class PosixBackend:
     def _write_direct(self, fd: int, header: bytes, payload: memoryview) -> None:
         stage = _staging()
         stage[:HEADER_SIZE] = header
-        _pwrite_all(fd, stage[:HEADER_SIZE], 0)
         body = len(payload) // BLOCK * BLOCK
-        if _aligned(payload):
-            _pwrite_all(fd, payload[:body], HEADER_SIZE)
-        else:
-            for pos in range(0, body, STAGING):
-                n = min(STAGING, body - pos)
-                stage[:n] = payload[pos : pos + n]
-                _pwrite_all(fd, stage[:n], HEADER_SIZE + pos)
         tail = len(payload) - body
+        views = [stage[:HEADER_SIZE], payload[:body]]
         if tail:
-            stage[:tail] = payload[body:]
-            stage[tail:BLOCK] = bytes(BLOCK - tail)
-            _pwrite_all(fd, stage[:BLOCK], HEADER_SIZE + body)
-            os.ftruncate(fd, HEADER_SIZE + len(payload))
+            last = stage[HEADER_SIZE : HEADER_SIZE + BLOCK]
+            last[:tail] = payload[body:]
+            last[tail:] = bytes(BLOCK - tail)
+            views.append(last)
+        _pwrite_all(fd, views, 0)
+
+    def _write_staged(self, fd: int, header: bytes, payload: memoryview) -> None:
+        stage = _staging()
+        stage[:HEADER_SIZE] = header
+        fill, src, pos = HEADER_SIZE, 0, 0
+        while True:
+            n = min(STAGING - fill, len(payload) - src)
+            stage[fill : fill + n] = payload[src : src + n]
+            fill, src = fill + n, src + n
+            if src == len(payload):
+                end = _padded(fill)
+                stage[fill:end] = bytes(end - fill)
+                _pwrite_all(fd, [stage[:end]], pos)
+                return
+            _pwrite_all(fd, [stage[:fill]], pos)
+            pos, fill = pos + fill, 0
 
     def read_file(self, path: str, out: memoryview) -> tuple[bytes, int]:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if self.direct else 0))
         try:
             if not self.direct:
-                header = os.pread(fd, HEADER_SIZE, 0)
-                return header, _pread_all(fd, out, HEADER_SIZE)
-            stage = _staging()
-            if _pread_all(fd, stage[:HEADER_SIZE], 0) < HEADER_SIZE:
-                return bytes(stage[:0]), 0
-            header = bytes(stage[:HEADER_SIZE])
-            return header, self._read_direct(fd, out)
+                head = bytearray(HEADER_SIZE)
+                got = _pread_all(fd, [memoryview(head), out], 0)
+                return bytes(head[: min(got, HEADER_SIZE)]), max(0, got - HEADER_SIZE)
+            if _aligned(out):
+                return self._read_direct(fd, out)
+            return self._read_staged(fd, out)
         finally:
             os.close(fd)
 
-    def _read_direct(self, fd: int, out: memoryview) -> int:
+    def _read_direct(self, fd: int, out: memoryview) -> tuple[bytes, int]:
         stage = _staging()
         body = len(out) // BLOCK * BLOCK
-        if _aligned(out):
-            got = _pread_all(fd, out[:body], HEADER_SIZE)
-            if got < body:
-                return got
-        else:
-            for pos in range(0, body, STAGING):
-                n = min(STAGING, body - pos)
-                got = _pread_all(fd, stage[:n], HEADER_SIZE + pos)
-                out[pos : pos + got] = stage[:got]
-                if got < n:
-                    return pos + got
         tail = len(out) - body
-        if not tail:
-            return body
-        got = _pread_all(fd, stage[:BLOCK], HEADER_SIZE + body)
-        got = min(got, tail)
-        out[body : body + got] = stage[:got]
-        return body + got
+        last = stage[HEADER_SIZE : HEADER_SIZE + BLOCK]
+        views = [stage[:HEADER_SIZE], out[:body]] + ([last] if tail else [])
+        got = _pread_all(fd, views, 0)
+        if got < HEADER_SIZE:
+            return b"", 0
+        payload = min(got - HEADER_SIZE, len(out))
+        if payload > body:
+            out[body:payload] = last[: payload - body]
+        return bytes(stage[:HEADER_SIZE]), payload
+
+    def _read_staged(self, fd: int, out: memoryview) -> tuple[bytes, int]:
+        stage = _staging()
+        want = _padded(HEADER_SIZE + len(out))
+        got = _pread_all(fd, [stage[: min(STAGING, want)]], 0)
+        if got < HEADER_SIZE:
+            return b"", 0
+        header = bytes(stage[:HEADER_SIZE])
+        done = min(got - HEADER_SIZE, len(out))
+        out[:done] = stage[HEADER_SIZE : HEADER_SIZE + done]
+        pos = got
+        while done < len(out) and got == STAGING:
+            got = _pread_all(fd, [stage[: min(STAGING, want - pos)]], pos)
+            n = min(got, len(out) - done)
+            out[done : done + n] = stage[:n]
+            done, pos = done + n, pos + got
+        return header, done
 
 
 class KvikioBackend:
@@ -195,7 +236,7 @@ def probe_direct(folder: str) -> tuple[bool, str]:
             raise
         return False, "the filesystem refuses O_DIRECT"
     try:
-        _pwrite_all(fd, _staging()[:BLOCK], 0)
+        _pwrite_all(fd, [_staging()[:BLOCK]], 0)
         return True, "O_DIRECT"
     except OSError as exc:
         if exc.errno != errno.EINVAL:

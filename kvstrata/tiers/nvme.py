@@ -64,6 +64,7 @@ from kvstrata.tiers.checksum import checksum
 
 log = logging.getLogger(__name__)
 SHARDS = [f"{i:02x}" for i in range(256)]
+SCAN_THREADS = 16
 _tmp_numbers = itertools.count()
 
 
@@ -259,16 +260,18 @@ class NvmeTier(Tier):
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         in_flight = frozenset(self._in_flight)
-        shards = await asyncio.gather(
-            *(
-                loop.run_in_executor(self._pool, _nvme_scan.scan_shard, self.root, s, in_flight)
-                for s in SHARDS
+        # Cold header reads are latency bound: a wider, short-lived pool keeps the disk busy.
+        with ThreadPoolExecutor(max(SCAN_THREADS, self.config.io_threads)) as pool:
+            shards = await asyncio.gather(
+                *(
+                    loop.run_in_executor(pool, _nvme_scan.scan_shard, self.root, s, in_flight)
+                    for s in SHARDS
+                )
             )
-        )
-        keep = {".kvstrata-probe"}
-        moved = await loop.run_in_executor(
-            self._pool, _nvme_scan.scan_root, self.root, keep.__contains__
-        )
+            keep = {".kvstrata-probe"}
+            moved = await loop.run_in_executor(
+                pool, _nvme_scan.scan_root, self.root, keep.__contains__
+            )
         found = [meta for shard in shards for meta, _ in shard.found]
         for meta in found:
             self._index[meta.key] = meta
