@@ -15,7 +15,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from kvstrata.clients.connection import (
     ConnectionClosedError,
@@ -41,8 +41,7 @@ class _ReplyProtocol(asyncio.BufferedProtocol):
         self._can_write.set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.reader.get_buffer()

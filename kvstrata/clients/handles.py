@@ -50,6 +50,7 @@ class CudaUnavailable(RegionMapError):
 
 _lock = threading.Lock()
 _shm: dict[str, shared_memory.SharedMemory] = {}
+_retired: list[shared_memory.SharedMemory] = []
 _cuda: dict[tuple[str, int], int] = {}  # (IPC handle hex, device) -> device pointer
 
 
@@ -262,13 +263,16 @@ class HandleViews:
         return handle_tensor(self._region(handle), handle, dtype)
 
 
-def close_all() -> None:
-    """Unmap every region mapped by this process (views into them become invalid)."""
+def close_all() -> int:
+    """Unmap the regions this process mapped; returns how many stay mapped because a live
+    numpy/torch view still uses them (those views stay valid; a later lease maps afresh)."""
     with _lock:
-        shms = list(_shm.values())
-        _shm.clear()
-    for shm in shms:
-        try:
-            shm.close()
-        except BufferError:
-            pass  # a live numpy/torch view still exports the buffer; the OS unmaps at exit
+        busy = 0
+        for name, shm in list(_shm.items()):
+            try:
+                shm.close()
+            except BufferError:  # close() already dropped shm.buf: retire it, remap on demand
+                busy += 1
+                _retired.append(shm)  # the mapping lives as long as the views into it
+            del _shm[name]
+    return busy

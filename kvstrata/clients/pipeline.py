@@ -9,7 +9,7 @@ results come back as plain grants (:class:`~kvstrata.clients.results.LeaseGrant`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from kvstrata.clients import commands as cmd
 from kvstrata.clients.commands import Call, HashLike, Payload
@@ -27,7 +27,7 @@ class PipelineBase:
     def __len__(self) -> int:
         return len(self._calls)
 
-    def _add(self, call: Call[Any]) -> PipelineBase:
+    def _add(self, call: Call[Any]) -> Self:
         self._calls.append(call)
         return self
 
@@ -43,10 +43,10 @@ class PipelineBase:
                 results.append(call.decode(reply))
         return results
 
-    def execute_command(self, *args: Any, out: Any = None) -> PipelineBase:
+    def execute_command(self, *args: Any, out: Any = None) -> Self:
         return self._add(cmd.raw(args, out))
 
-    def ping(self) -> PipelineBase:
+    def ping(self) -> Self:
         return self._add(cmd.ping())
 
     def put(
@@ -58,23 +58,19 @@ class PipelineBase:
         tokens: int = 0,
         ttl_ms: int | None = None,
         nx: bool = False,
-    ) -> PipelineBase:
+    ) -> Self:
         return self._add(cmd.put(ns, hash, parent, payload, tokens, ttl_ms, nx))
 
-    def get(self, ns: str, hash: HashLike, out: Any = None) -> PipelineBase:
+    def get(self, ns: str, hash: HashLike, out: Any = None) -> Self:
         return self._add(cmd.get(ns, hash, out))
 
-    def mget(
-        self, ns: str, hashes: Sequence[HashLike], outs: Sequence[Any] | None = None
-    ) -> PipelineBase:
+    def mget(self, ns: str, hashes: Sequence[HashLike], outs: Sequence[Any] | None = None) -> Self:
         return self._add(cmd.mget(ns, hashes, outs))
 
-    def match(self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> PipelineBase:
+    def match(self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> Self:
         return self._add(cmd.match(ns, hashes, prefetch))
 
-    def match_tiers(
-        self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False
-    ) -> PipelineBase:
+    def match_tiers(self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> Self:
         return self._add(cmd.match_tiers(ns, hashes, prefetch))
 
     def match_tokens(
@@ -83,10 +79,10 @@ class PipelineBase:
         tokens: TokenInput,
         chunk_tokens: int | None = None,
         extra: Sequence[bytes | str] = (),
-    ) -> PipelineBase:
+    ) -> Self:
         return self._add(cmd.match_tokens(ns, tokens, chunk_tokens, extra))
 
-    def lease(self, ns: str, hashes: Sequence[HashLike], ttl_ms: int | None = None) -> PipelineBase:
+    def lease(self, ns: str, hashes: Sequence[HashLike], ttl_ms: int | None = None) -> Self:
         return self._add(cmd.lease(ns, hashes, ttl_ms))
 
     def reserve(
@@ -97,26 +93,26 @@ class PipelineBase:
         nbytes: int,
         tokens: int = 0,
         ttl_ms: int | None = None,
-    ) -> PipelineBase:
+    ) -> Self:
         return self._add(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms))
 
-    def commit(self, lease_id: LeaseId) -> PipelineBase:
+    def commit(self, lease_id: LeaseId) -> Self:
         return self._add(cmd.commit(lease_id))
 
-    def abort(self, lease_id: LeaseId) -> PipelineBase:
+    def abort(self, lease_id: LeaseId) -> Self:
         return self._add(cmd.abort(lease_id))
 
-    def release(self, lease_id: LeaseId) -> PipelineBase:
+    def release(self, lease_id: LeaseId) -> Self:
         return self._add(cmd.release(lease_id))
 
-    def regions(self) -> PipelineBase:
+    def regions(self) -> Self:
         return self._add(cmd.regions())
 
-    def info(self, ns: str, hash: HashLike) -> PipelineBase:
+    def info(self, ns: str, hash: HashLike) -> Self:
         return self._add(cmd.info(ns, hash))
 
-    def delete(self, ns: str, hash: HashLike, cascade: bool = False) -> PipelineBase:
+    def delete(self, ns: str, hash: HashLike, cascade: bool = False) -> Self:
         return self._add(cmd.delete(ns, hash, cascade))
 
-    def stats(self) -> PipelineBase:
+    def stats(self) -> Self:
         return self._add(cmd.stats())
