@@ -408,23 +408,13 @@ class S3Tier(Tier):
 
     async def contains_many(self, keys: Iterable[ChunkKey]) -> list[bool]:
         """Presence of each key, at most ``max_connections`` HEADs in flight for this call."""
-        keys = list(keys)
-        window = self.config.max_connections
-        found: list[bool] = []
-        for start in range(0, len(keys), window):
-            part = keys[start : start + window]
-            found.extend(await asyncio.gather(*(self.contains(k) for k in part)))
-        return found
+        return await self._probe(list(keys), stop_at_miss=False)
 
     async def match_length(self, keys: Sequence[ChunkKey]) -> int:
-        """Length of the longest present prefix of a hash chain; stops probing at the first
-        window holding a miss (for cross-node KV.MATCH)."""
-        window = self.config.max_connections
-        for start in range(0, len(keys), window):
-            found = await asyncio.gather(*(self.contains(k) for k in keys[start : start + window]))
-            if not all(found):
-                return start + found.index(False)
-        return len(keys)
+        """Length of the longest present prefix of a hash chain (cross-node KV.MATCH); stops
+        probing after the first window of ``max_connections`` keys that holds a miss."""
+        found = await self._probe(keys, stop_at_miss=True)
+        return found.index(False) if False in found else len(found)
 
     async def scan_keys(self) -> AsyncIterator[tuple[ChunkKey, int]]:
         """(key, size) of every object under the prefix, from listings only (no HEADs)."""
@@ -447,7 +437,7 @@ class S3Tier(Tier):
                 for meta in await asyncio.gather(*(self.meta(k) for k in batch)):
                     if meta is not None:
                         yield meta
-                batch.clear()
+                batch = []
         for meta in await asyncio.gather(*(self.meta(k) for k in batch)):
             if meta is not None:
                 yield meta
@@ -498,6 +488,14 @@ class S3Tier(Tier):
             if isinstance(err, TierIOError):
                 self.stats.errors += 1
             raise err from exc
+
+    async def _probe(self, keys: Sequence[ChunkKey], stop_at_miss: bool) -> list[bool]:
+        window, found = self.config.max_connections, []
+        for start in range(0, len(keys), window):
+            found += await asyncio.gather(*(self.contains(k) for k in keys[start : start + window]))
+            if stop_at_miss and not all(found):
+                break
+        return found
 
     def _loc(self, key: ChunkKey) -> dict[str, str]:
         return {"Bucket": self.config.bucket, "Key": object_name(self.prefix, key)}
