@@ -250,12 +250,15 @@ def render_markdown(table: CommandTable = REGISTRY) -> str:
 
 def load_all() -> CommandTable:
     """Import every command module so the table is complete."""
-    from kvstrata.server import commands
+    from kvstrata.server import (
+        commands,
+        registry,  # the canonical module, also when run as __main__
+    )
 
     commands.load()
-    return REGISTRY
+    return registry.REGISTRY
 
 
 if __name__ == "__main__":  # pragma: no cover
-    load_all()
-    print(render_markdown(), end="")
+    # Run as a script this module is __main__: render the table the commands registered in.
+    print(render_markdown(load_all()), end="")
