@@ -7,7 +7,7 @@ import time
 import pytest
 
 import kvstrata
-from kvstrata.protocol.frames import OK
+from kvstrata.protocol.frames import OK, Simple
 from kvstrata.server.commands.server import human_bytes
 from tests.fakectx import FakeCtx, FakeServer, FakeStore, err
 
@@ -150,19 +150,22 @@ def test_command_introspection(srv: FakeServer, c: FakeCtx) -> None:
     assert len(c.call("COMMAND")) == count
     get, missing, client_id = c.call("COMMAND", "INFO", "get", "nosuch", "client|id")
     assert missing is None
-    assert get[0] == "get" and get[1] == 2 and {"readonly", "fast"} <= get[2]
+    assert get[0] == "get" and get[1] == 2 and {b"readonly", b"fast"} <= get[2]
+    assert all(isinstance(flag, Simple) for flag in get[2])  # status strings, as Redis
     assert get[3:6] == [1, 1, 1]
     assert client_id[0] == "client|id"
     client = c.call("COMMAND", "INFO", "CLIENT")[0]
     assert "client|setinfo" in {sub[0] for sub in client[9]}
     hello = c.call("COMMAND", "INFO", "hello")[0]
-    assert "no_auth" in hello[2]
+    assert b"no_auth" in hello[2]
 
 
 def test_command_docs_and_list(c: FakeCtx) -> None:
     docs = c.call("COMMAND", "DOCS", "set", "nosuch", "client")
     assert set(docs) == {"set", "client"}
     assert docs["set"]["group"] == "string" and docs["set"]["arguments"][0]["name"] == "key"
+    condition = docs["set"]["arguments"][2]
+    assert condition["flags"] == {Simple(b"optional")}  # redis-cli asserts status strings
     assert "setinfo" in {k.split("|")[-1] for k in docs["client"]["subcommands"]}
     everything = c.call("COMMAND", "DOCS")
     assert {"ping", "scan", "config", "slowlog"} <= set(everything)
