@@ -17,7 +17,7 @@ from tests.fakes import FakeTier, make_dram, open_store
 NS = b"llama@bf16@c4"
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
@@ -92,7 +92,7 @@ def test_put_through_sink_factory() -> None:
     async def main() -> None:
         async with with_ctx() as ctx:
             spec = ctx.server.registry.lookup(b"kv.put")
-            assert spec.sink is not None
+            assert spec is not None and spec.sink is not None
             sink = spec.sink(ctx, [b"KV.PUT", NS, b"big", b""], 100_000)
             assert sink is not None
             assert spec.sink(ctx, [b"KV.PUT", b"bad ns", b"x", b""], 10) is None

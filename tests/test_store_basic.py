@@ -4,6 +4,7 @@ keyspace integration and the payload sink."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -13,11 +14,11 @@ from tests.fakes import FakeTier, chain, make_dram, open_store
 NS = "llama@bf16@c4"
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-async def _put_chain(store, hashes, size=100):  # type: ignore[no-untyped-def]
+async def _put_chain(store: Any, hashes: list[bytes], size: int = 100) -> None:
     parent = b""
     for i, h in enumerate(hashes):
         assert await store.put(NS, h, parent, bytes([i % 251]) * size, tokens=4)

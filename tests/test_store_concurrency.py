@@ -5,6 +5,7 @@ chunk."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from kvstrata.store.keys import ChunkKey
 from tests.fakes import FakeTier, make_dram, open_store
@@ -12,7 +13,7 @@ from tests.fakes import FakeTier, make_dram, open_store
 NS = "m@c4"
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 

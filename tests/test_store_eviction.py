@@ -4,7 +4,9 @@ promotion from lower tiers (a fake tier and the real NvmeTier), OOM."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,7 +19,7 @@ NS = "m@c4"
 SLOT = 4096  # the DRAM arena allocates 4096-byte aligned slots
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
@@ -25,7 +27,7 @@ def blob(i: int, size: int = SLOT) -> bytes:
     return bytes([i % 251]) * (size - 7) + i.to_bytes(7, "big")
 
 
-async def wait_until(cond, limit: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> bool:
     for _ in range(int(limit / 0.01)):
         if cond():
             return True
@@ -70,7 +72,7 @@ def test_background_demoter_keeps_dram_under_high_watermark() -> None:
 
     async def main() -> None:
         nvme = FakeTier("nvme")
-        cfg = {"dram_high_watermark": 0.5, "dram_low_watermark": 0.25}
+        cfg: dict[str, Any] = {"dram_high_watermark": 0.5, "dram_low_watermark": 0.25}
         async with open_store([make_dram(16 * SLOT), nvme], **cfg) as store:
             hashes = chain(12)
             parent = b""
@@ -193,5 +195,24 @@ def test_chunk_larger_than_dram_goes_below() -> None:
             assert store.match_tiers(NS, [b"L"]) == ["nvme"]
             p = await store.get(NS, b"L")
             assert bytes(p.view) == data and p.release is None
+
+    run(main())
+
+
+def test_match_prefetch_promotes_in_background() -> None:
+    async def main() -> None:
+        nvme = FakeTier("nvme")
+        async with open_store([make_dram(16 * SLOT), nvme], start=False) as store:
+            hashes = chain(3)
+            parent = b""
+            for i, h in enumerate(hashes):
+                assert await store.put(NS, h, parent, blob(i))
+                parent = h
+            assert await store.placement.make_room(0, 16 * SLOT)
+            assert store.match_tiers(NS, hashes) == ["nvme"] * 3
+            assert store.prefetch(NS, [*hashes, b"missing"]) == 3
+            await store.drain()
+            assert store.match_tiers(NS, hashes) == ["dram"] * 3
+            assert store.prefetch(NS, hashes) == 0
 
     run(main())

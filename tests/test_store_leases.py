@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -14,11 +16,11 @@ from tests.fakes import chain, open_store
 NS = "m@c4"
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-async def wait_until(cond, limit: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> bool:
     for _ in range(int(limit / 0.01)):
         if cond():
             return True

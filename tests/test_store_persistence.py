@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace
@@ -14,7 +15,7 @@ from tests.fakes import chain, make_config, make_dram, open_store
 NS = "m@c4"
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
