@@ -147,7 +147,23 @@ def parse_inline(buf: Buf, pos: int, end: int) -> tuple[list[bytes] | None, int]
             raise ProtocolError("too big inline request")
         return None, pos
     line = bytes(buf[pos:nl]).rstrip(b"\r")
+    if b'"' not in line and b"'" not in line:
+        return line.split(), nl + 1
     return split_args(line), nl + 1
+
+
+def parse_inlines(buf: Buf, pos: int, end: int) -> tuple[list[list[bytes]], int]:
+    """Decode consecutive inline commands at ``pos`` up to a multibulk one or a partial line.
+    Empty lines are skipped."""
+    cmds: list[list[bytes]] = []
+    while pos < end and buf[pos] != 0x2A:
+        args, nxt = parse_inline(buf, pos, end)
+        if args is None:
+            break
+        if args:
+            cmds.append(args)
+        pos = nxt
+    return cmds, pos
 
 
 _ESCAPES = {ord("n"): 10, ord("r"): 13, ord("t"): 9, ord("b"): 8, ord("a"): 7}

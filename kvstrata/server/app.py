@@ -44,6 +44,8 @@ class Server:
         self.port = 0
         self.tls_port = 0
         self.slowlog = _make_slowlog(config)
+        #: exact command name → spec, for plain commands (the dispatcher's first look-up)
+        self.fast_specs: dict[bytes, Any] = _fast_specs(self.registry)
         self._next_id = 0
         self._servers: list[asyncio.AbstractServer] = []
         self._shutdown = asyncio.Event()
@@ -128,6 +130,12 @@ class Server:
         self._next_id += 1
         return self._next_id
 
+    @property
+    def slowlog_threshold(self) -> float:
+        """Seconds above which a command goes to the slow log (inf when disabled)."""
+        micros = self.config.values["slowlog-log-slower-than"]
+        return float("inf") if micros < 0 or self.slowlog is None else micros / 1e6
+
     def slowlog_record(self, started: float, argv: list[Any], client: ClientState) -> None:
         if self.slowlog is not None:
             self.slowlog.record(int((time.perf_counter() - started) * 1e6), argv, client)
@@ -180,6 +188,18 @@ def _ensure_data_dir(path: str) -> None:
         raise OSError(f"cannot create data-dir {folder}: {exc.strerror or exc}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OSError(f"data-dir {folder} is not writable")
+
+
+def _fast_specs(registry: Any) -> dict[bytes, Any]:
+    """Upper, lower and capitalised names of commands without subcommands."""
+    table: dict[bytes, Any] = {}
+    for spec in registry:
+        if spec.subcommands or spec.handler is None:
+            continue
+        name = spec.name.encode()
+        for variant in (name.upper(), name.lower(), name.capitalize()):
+            table[variant] = spec
+    return table
 
 
 def _make_slowlog(config: Config) -> Any:

@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import time
 from collections import deque
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.protocol import decoder
@@ -40,6 +41,7 @@ log = logging.getLogger("kvstrata.server")
 BIG = 64 * 1024  # bulk arguments at least this large are received in place
 INITIAL_BUFFER = 256 * 1024
 HIGH_WATER = 4 * 1024 * 1024  # unexecuted bytes buffered before reading pauses
+JOIN_LIMIT = 64 * 1024  # replies up to this size are joined into one write
 FLUSH_PARTS = 48  # reply buffers gathered before they are handed to the transport
 _NO_SINKS: dict[int, Any] = {}
 DENIED = (
@@ -119,6 +121,7 @@ class Connection(asyncio.BufferedProtocol):
         self._monitor = False
         self._task: asyncio.Task[None] | None = None
         self._queue: deque[list[Any]] = deque()
+        self._slow = 0.0  # slow-log threshold in seconds, refreshed per batch
 
     # -- asyncio callbacks ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -216,23 +219,30 @@ class Connection(asyncio.BufferedProtocol):
 
     def _process(self) -> None:
         """Decode what is buffered and run it, unless paused or an async command is running."""
-        cfg = self.server.config
+        values = self.server.config.values
+        self._slow = self.server.slowlog_threshold
         queue = self._queue
+        executed = 0
         try:
             while not self._busy and not self._closing and not self._write_paused:
                 if queue:
                     self._execute(queue.popleft(), _NO_SINKS)
+                    executed += 1
                     if len(self._out) >= FLUSH_PARTS:
                         self._flush()  # lets the transport push back (pause_writing)
                 elif self._partial is not None:
+                    executed += 1
                     if not self._continue_partial():
+                        executed -= 1
                         break
                 elif self._direct is not None or not self._decode(
-                    cfg.proto_max_bulk_len, cfg.max_multibulk_len
+                    values["proto-max-bulk-len"], values["max-multibulk-len"]
                 ):
                     break
         except ProtocolError as exc:
             self._protocol_error(exc)
+        self.server.stats.total_commands_processed += executed
+        self.client.commands += executed
         if self._start == self._end and self._direct is None:
             self._start = self._end = 0
         self._flush()
@@ -248,13 +258,10 @@ class Connection(asyncio.BufferedProtocol):
         if state is None:
             return bool(cmds)
         if state == decoder.INLINE:
-            args, pos = decoder.parse_inline(self._buf, self._start, self._end)
-            if args is None:
-                return bool(cmds)
+            inline, pos = decoder.parse_inlines(self._buf, self._start, self._end)
             self._start = pos
-            if args:
-                self._queue.append(args)
-            return True
+            self._queue.extend(inline)
+            return bool(cmds) or pos != self._start or bool(inline)
         self._begin_big(state, {})
         return True
 
@@ -323,39 +330,51 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- dispatch -------------------------------------------------------------------------
     def _execute(self, args: list[Any], sinks: dict[int, Any]) -> None:
+        """Run one command and queue its reply. This is the hot path: keep it lean."""
         server = self.server
-        server.stats.total_commands_processed += 1
-        client = self.client
-        client.commands += 1
-        spec = server.registry.lookup(args[0])
-        try:
-            spec = self._resolve(spec, args)
-        except RespError as exc:
-            _abort_sinks(sinks)
-            self._reply_error(exc)
-            return
+        spec = server.fast_specs.get(args[0])
+        if (
+            spec is None
+            or (spec.arity > 0 and len(args) != spec.arity)
+            or len(args) < -spec.arity
+            or not self.client.authenticated
+        ):
+            try:
+                spec = self._resolve(server.registry.lookup(args[0]), args)
+            except RespError as exc:
+                _abort_sinks(sinks)
+                self._reply_error(exc)
+                return
         if server.monitors and "no_auth" not in spec.flags:
             server.feed_monitors(self, args)
-        client.last_command = spec.name
+        self.client.last_command = spec.name
         self.sinks = sinks
-        started = time.perf_counter()
+        started = perf_counter()
         try:
             result = spec.handler(self, args)  # type: ignore[misc]
         except RespError as exc:
             result = exc
         except Exception as exc:  # a bug must not kill the connection
-            log.exception("command %s failed", spec.name)
-            server.stats.unexpected_errors += 1
-            result = CommandError(f"internal error in '{spec.wire_name}': {exc}")
+            result = self._internal_error(spec, exc)
         if spec.is_async:
             self._busy = True
             self._task = asyncio.ensure_future(self._finish_async(result, spec, args, started))
             return
-        self.sinks = _NO_SINKS
         if sinks:
+            self.sinks = _NO_SINKS
             _abort_sinks(sinks)
-        self._reply(result)
-        server.slowlog_record(started, args, client)
+        t = type(result)
+        if t is bytes or t is Simple or t is int or result is None or t is list:
+            encode_reply(result, self._resp3, self._out)
+        else:
+            self._reply(result)
+        if perf_counter() - started > self._slow:
+            server.slowlog_record(started, args, self.client)
+
+    def _internal_error(self, spec: CommandSpec, exc: Exception) -> CommandError:
+        log.exception("command %s failed", spec.name)
+        self.server.stats.unexpected_errors += 1
+        return CommandError(f"internal error in '{spec.wire_name}': {exc}")
 
     def _resolve(self, spec: CommandSpec | None, args: list[Any]) -> CommandSpec:
         if spec is None:
@@ -385,9 +404,7 @@ class Connection(asyncio.BufferedProtocol):
         except RespError as exc:
             result = exc
         except Exception as exc:
-            log.exception("command %s failed", spec.name)
-            self.server.stats.unexpected_errors += 1
-            result = CommandError(f"internal error in '{spec.wire_name}': {exc}")
+            result = self._internal_error(spec, exc)
         finally:
             self.sinks = _NO_SINKS
             if sinks:
@@ -399,7 +416,8 @@ class Connection(asyncio.BufferedProtocol):
                 result.release()
             return
         self._reply(result)
-        self.server.slowlog_record(started, args, self.client)
+        if perf_counter() - started > self.server.slowlog_threshold:
+            self.server.slowlog_record(started, args, self.client)
         self._process()
 
     # -- output ---------------------------------------------------------------------------
@@ -425,11 +443,12 @@ class Connection(asyncio.BufferedProtocol):
             self.server.stats.total_net_output_bytes += len(data)
             self.transport.write(data)
         else:
-            parts = join_small(out)
-            self.server.stats.total_net_output_bytes += sum(
-                p.nbytes if isinstance(p, memoryview) else len(p) for p in parts
-            )
-            self.transport.writelines(parts)
+            total = sum(map(len, out))  # arena views are byte-formatted: len == nbytes
+            self.server.stats.total_net_output_bytes += total
+            if total <= JOIN_LIMIT:
+                self.transport.write(b"".join(out))
+            else:
+                self.transport.writelines(join_small(out))
         if self._releases:
             self._run_releases_if_drained()
         if self._close_after:

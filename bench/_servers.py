@@ -1,0 +1,90 @@
+"""Start redis-server and kvstrata side by side for benchmarks; read their CPU time."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass
+class Proc:
+    name: str
+    port: int
+    process: subprocess.Popen[str]
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the server process so far."""
+        with open(f"/proc/{self.process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+@contextmanager
+def redis_server() -> Iterator[Proc]:
+    if shutil.which("redis-server") is None:
+        sys.exit("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--protected-mode", "no", "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        wait_port(port)
+        yield Proc("redis-server", port, proc)
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+@contextmanager
+def kvstrata_server(*extra: str) -> Iterator[Proc]:
+    data = tempfile.mkdtemp(prefix="kvstrata-bench-")
+    argv = [sys.executable, "-m", "kvstrata", "serve", "--port", "0", "--data-dir", data,
+            "--loglevel", "notice", *extra]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    port = 0
+    for line in proc.stdout:
+        m = re.search(r"ready on .* port=(\d+)", line)
+        if m:
+            port = int(m.group(1))
+            break
+    if not port:
+        proc.kill()
+        raise RuntimeError("kvstrata did not start")
+    threading.Thread(target=lambda: [None for _ in proc.stdout or []], daemon=True).start()
+    try:
+        yield Proc("kvstrata", port, proc)
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(data, ignore_errors=True)
