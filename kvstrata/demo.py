@@ -1,0 +1,209 @@
+"""``kvstrata demo``: a multi-turn conversation that reuses its own KV cache through kvstrata.
+
+Starts an embedded server (``python -m kvstrata serve --port 0`` in a subprocess, data in a
+temporary folder unless ``--data-dir``), builds a Llama-shaped model with random weights (no
+download; token ids stand in for text), and runs turns of "history + new user message → greedy
+reply". Each turn prints the tokens reused from the server, the tier they came from and the
+time to first token next to a full recompute of the same prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+__all__ = ["EmbeddedServer", "TurnReport", "build_model", "main"]
+
+_READY = re.compile(r"port=(\d+)")
+
+
+class EmbeddedServer:
+    """``kvstrata serve`` in a subprocess on a free port; ``flags`` are config keys."""
+
+    def __init__(self, data_dir: Path, **flags: Any) -> None:
+        self.data_dir = data_dir
+        self.flags = {"port": 0, "data-dir": str(data_dir), **flags}
+        self.port = 0
+        self._proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 60.0) -> EmbeddedServer:
+        argv = [sys.executable, "-m", "kvstrata", "serve"]
+        for key, value in self.flags.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._proc = proc
+        assert proc.stdout is not None
+        deadline, seen = time.monotonic() + timeout, []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            m = _READY.search(line)
+            if m:
+                self.port = int(m.group(1))
+                threading.Thread(target=self._drain, daemon=True).start()
+                return self
+        self.stop()
+        raise RuntimeError("kvstrata serve did not start:\n" + "".join(seen[-20:]))
+
+    def _drain(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for _ in self._proc.stdout:
+            pass
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def build_model(
+    layers: int, hidden: int, heads: int, kv_heads: int, vocab: int = 32000, seed: int = 0
+) -> Any:
+    """A Llama-shaped model with random weights (GQA, SwiGLU MLP of ~2.75x hidden)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=65536,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@dataclass(frozen=True, slots=True)
+class TurnReport:
+    turn: int
+    prompt_tokens: int
+    reused_tokens: int
+    tiers: str
+    ttft_s: float
+    recompute_s: float
+
+
+def _tier_summary(tiers: tuple[str, ...]) -> str:
+    if not tiers:
+        return "-"
+    counts: dict[str, int] = {}
+    for t in tiers:
+        counts[t] = counts.get(t, 0) + 1
+    return ",".join(f"{t}:{n}" for t, n in counts.items())
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvstrata demo", description=__doc__.split("\n")[0])
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=1536, help="shared prompt prefix")
+    p.add_argument("--user-tokens", type=int, default=128, help="new tokens per user turn")
+    p.add_argument("--reply-tokens", type=int, default=16)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--codec", default="raw", choices=["raw", "fp8", "int8", "int4"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--connect", metavar="HOST:PORT", help="use a running server instead")
+    p.add_argument("--data-dir", type=Path, help="server data folder (default: a temp dir)")
+    p.add_argument("--dram-capacity", default="512MiB", help="embedded server's DRAM tier")
+    p.add_argument("--no-recompute", action="store_true", help="skip the recompute baseline")
+    return p.parse_args(argv)
+
+
+def _run_turns(args: argparse.Namespace, client: Any) -> list[TurnReport]:
+    import torch
+    from tqdm import tqdm
+
+    from kvstrata.clients.hf import HFPrefixCache
+
+    heads = max(1, args.hidden // 64)
+    model = build_model(args.layers, args.hidden, heads, max(1, heads // 4))
+    pc = HFPrefixCache(model, client, chunk_tokens=args.chunk_tokens, codec=args.codec)
+    gen = torch.Generator().manual_seed(1)
+    history = torch.randint(0, 32000, (1, args.system_tokens), generator=gen)
+    reports: list[TurnReport] = []
+    bar = tqdm(range(1, args.turns + 1), desc="turns", unit="turn")
+    for turn in bar:
+        user = torch.randint(0, 32000, (1, args.user_tokens), generator=gen)
+        prompt = torch.cat([history, user], dim=1)
+        recompute = 0.0
+        if not args.no_recompute:
+            bar.set_postfix_str("recomputing baseline")
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model(prompt, use_cache=True, logits_to_keep=1)
+            recompute = time.perf_counter() - t0
+        bar.set_postfix_str("generating")
+        out = pc.generate(prompt, args.reply_tokens)
+        pre = out.prefill
+        tiers = _tier_summary(pre.tiers)
+        row = TurnReport(turn, pre.prompt_tokens, pre.reused_tokens, tiers, pre.ttft_s, recompute)
+        reports.append(row)
+        history = torch.cat([prompt, torch.tensor([out.tokens])], dim=1)
+        pc.wait_stored()  # the next turn's match should see this turn's chunks
+    bar.close()
+    pc.close()
+    return reports
+
+
+def _print(reports: list[TurnReport], args: argparse.Namespace) -> None:
+    print(f"\nmodel: Llama-shaped, {args.layers} layers, hidden {args.hidden}, random weights, "
+          f"chunk {args.chunk_tokens} tokens, codec {args.codec}")  # fmt: skip
+    print(f"{'turn':>4} {'prompt':>7} {'reused':>7} {'tier':>14} {'TTFT ms':>9} "
+          f"{'recompute ms':>13} {'speedup':>8}")  # fmt: skip
+    for r in reports:
+        speed = f"{r.recompute_s / r.ttft_s:7.1f}x" if r.recompute_s else "       -"
+        rec = f"{r.recompute_s * 1e3:13.1f}" if r.recompute_s else f"{'-':>13}"
+        print(f"{r.turn:>4} {r.prompt_tokens:>7} {r.reused_tokens:>7} {r.tiers:>14} "
+              f"{r.ttft_s * 1e3:9.1f} {rec} {speed}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvstrata demo``; returns the exit status."""
+    args = _parse(argv)
+    from kvstrata.clients.sync import Client
+
+    if args.connect:
+        host, _, port = args.connect.rpartition(":")
+        with Client(host=host or "127.0.0.1", port=int(port)) as client:
+            _print(_run_turns(args, client), args)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="kvstrata-demo-") as tmp:
+        data_dir = args.data_dir or Path(tmp)
+        with (
+            EmbeddedServer(data_dir, dram_capacity=args.dram_capacity) as server,
+            Client(port=server.port) as client,
+        ):
+            print(f"embedded kvstrata server on 127.0.0.1:{server.port}, data in {data_dir}")
+            _print(_run_turns(args, client), args)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
