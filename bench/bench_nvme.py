@@ -133,7 +133,7 @@ def main() -> None:
     a.dir.mkdir(parents=True, exist_ok=True)
     print(f"{'op':<6}{'chunk':>7}{'tier GB/s':>11}{'fio GB/s':>10}{'ratio':>7}{'fio+fsync':>11}"
           f"{'ratio':>7}  tier io")  # fmt: skip
-    for mib in (int(s) for s in a.sizes.split(",")):
+    for mib in (int(s) for s in a.sizes.split(",") if s):
         size, count = mib * MiB, max(a.threads, a.total_mib // mib)
         tier_dir, fio_dir = a.dir / f"tier-{mib}", a.dir / f"fio-{mib}"
         w, r, mode = asyncio.run(tier_rw(tier_dir, size, count, a.threads))
