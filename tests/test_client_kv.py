@@ -414,3 +414,12 @@ def test_close_all_with_live_views_keeps_them_valid(client: Client) -> None:
     assert arr.tobytes() == b"live-view"
     assert bytes(lease.views()[0]) == b"live-view"  # mapped again on demand
     lease.release()
+
+
+def test_timeout_closes_connection_and_raises_timeout() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) but never answers
+    try:
+        with pytest.raises(TimeoutError):
+            Client(port=listener.getsockname()[1], timeout=0.2)
+    finally:
+        listener.close()

@@ -206,7 +206,10 @@ def stats() -> Call[dict[str, dict[str, Any]]]:
 def _stats(reply: Any) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, value in as_map(reply).items():
-        out[name] = as_map(value) if isinstance(value, dict | list) else {"value": value}
+        try:
+            out[name] = as_map(value)
+        except TypeError:  # not a map: keep the value as it came
+            out[name] = {"value": value}
     return out
 
 

@@ -173,7 +173,7 @@ class SyncConnection:
             return self._read(len(commands))
         except (OSError, RespError) as exc:
             self.close()
-            if isinstance(exc, RespError):  # a protocol error: the stream is unusable
+            if isinstance(exc, RespError | TimeoutError):  # protocol error, socket timeout
                 raise
             raise ConnectionClosedError(f"connection lost: {exc}") from exc
         except BaseException:

@@ -36,7 +36,8 @@ class MatchResult:
 
 @dataclass(frozen=True, slots=True)
 class TokenMatch:
-    """``KV.MATCHTOKENS``: the cached prefix in tokens and chunks, and the chunk hashes."""
+    """``KV.MATCHTOKENS``: the cached prefix in tokens and chunks, and the hashes the server
+    computed (of every full chunk of the tokens sent; the first ``matched_chunks`` are cached)."""
 
     matched_tokens: int
     matched_chunks: int
