@@ -10,7 +10,8 @@ Rows (median and best of ``--repeat`` runs after a warm-up, all in this run):
 - redis-py ``GET`` from redis-server and redis-py ``KV.GET`` from kvstrata (bytes, then a copy
   into the tensor, as an engine would have to);
 - the loopback limit: a plain socket server process doing ``sendall`` of the same bytes, read
-  with ``recv_into`` into the tensor.
+  with ``recv_into`` into the tensor; and the client's reply reader over that same server with
+  the bytes framed as a RESP bulk (the client's own cost, without any RESP server's).
 
 DESIGN.md target: the kvstrata client loads a 32 MiB chunk at >= 2.5 GB/s.
 """
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvstrata.clients import Client
-from kvstrata.clients.resp import as_writable_view
+from kvstrata.clients.resp import ReplyReader, as_writable_view
 
 NS = "bench@u8@c256"
 
@@ -92,12 +93,17 @@ _LOOPBACK_SERVER = """
 import socket, sys
 size = int(sys.argv[1])
 data = bytes(range(256)) * (size // 256)
+head, tail = b"$%d\\r\\n" % size, b"\\r\\n"
 srv = socket.create_server(("127.0.0.1", 0))
 print(srv.getsockname()[1], flush=True)
 conn, _ = srv.accept()
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-while conn.recv(1):
-    conn.sendall(data)
+while (req := conn.recv(1)):
+    if req == b"r":  # the same bytes framed as a RESP bulk reply
+        for part in (head, data, tail):
+            conn.sendall(part)
+    else:
+        conn.sendall(data)
 """
 
 
@@ -171,12 +177,16 @@ def run(args: argparse.Namespace) -> list[tuple[str, float, float]]:
 
             rows.append(("redis-py KV.GET + copy (kvstrata)",
                          *measure(redis_py_kvget, size, args.repeat)))  # fmt: skip
-    rows.append((f"loopback limit: sendall / recv_into {kind}",
-                 *measure_loopback(size, out, args.repeat)))  # fmt: skip
+    bare, resp = measure_loopback(size, out, args.repeat)
+    rows.append((f"kvstrata reply reader, bare socket server -> {kind}", *resp))
+    rows.append((f"loopback limit: sendall / recv_into {kind}", *bare))
     return rows
 
 
-def measure_loopback(size: int, out: Any, repeat: int) -> tuple[float, float]:
+def measure_loopback(
+    size: int, out: Any, repeat: int
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The bare socket limit, and the client's reply reader over the same socket (RESP)."""
     view = as_writable_view(out)
     with loopback_server(size) as port:
         sock = socket.create_connection(("127.0.0.1", port))
@@ -191,8 +201,20 @@ def measure_loopback(size: int, out: Any, repeat: int) -> tuple[float, float]:
                     raise ConnectionError("loopback server went away")
                 got += n
 
+        replies: list[Any] = []
+        reader = ReplyReader(replies.append, lambda: out)
+
+        def fetch_resp() -> None:
+            sock.sendall(b"r")
+            while not replies:
+                n = sock.recv_into(reader.get_buffer())
+                if not n:
+                    raise ConnectionError("loopback server went away")
+                reader.buffer_updated(n)
+            replies.clear()
+
         try:
-            return measure(fetch, size, repeat)
+            return measure(fetch, size, repeat), measure(fetch_resp, size, repeat)
         finally:
             sock.close()
 
@@ -214,10 +236,10 @@ def main() -> None:
     redis_py = next((r[1] for r in rows if r[0].startswith("redis-py GET")), float("nan"))
     print(f"\n{args.size_mib} MiB chunk, median/best of {args.repeat}, "
           f"{os.cpu_count()} CPUs, loopback TCP\n")  # fmt: skip
-    print(f"| {'path':<52} | median GB/s | best GB/s | x loopback | x redis-py |")
-    print(f"|{'-' * 54}|-------------|-----------|------------|------------|")
+    print(f"| {'path':<56} | median GB/s | best GB/s | x loopback | x redis-py |")
+    print(f"|{'-' * 58}|-------------|-----------|------------|------------|")
     for name, med, best in rows:
-        print(f"| {name:<52} | {med:11.2f} | {best:9.2f} | {med / limit:10.2f} | "
+        print(f"| {name:<56} | {med:11.2f} | {best:9.2f} | {med / limit:10.2f} | "
               f"{med / redis_py:10.2f} |")  # fmt: skip
     print("\nTarget (DESIGN.md): kvstrata client load of a 32 MiB chunk >= 2.5 GB/s.")
 
