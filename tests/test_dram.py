@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -186,3 +188,26 @@ def test_second_process_reads_exact_bytes_at_handle() -> None:
         assert os.path.exists(f"/dev/shm/{region.path}")  # the child did not unlink it
 
     with_tier(body)
+
+
+def test_stale_arena_of_dead_process_is_reclaimed() -> None:
+    """A server killed before close() leaves its segment; the next start removes it."""
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = int(child.stdout)
+    stale = f"/dev/shm/kvstrata-reclaim-{dead}-0"
+    alive = f"/dev/shm/kvstrata-reclaim-{os.getppid()}-0"
+    for path in (stale, alive):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        tier = DramTier(DramConfig(capacity=MiB, name_prefix="kvstrata-reclaim"))
+        assert tier.reclaimed == [os.path.basename(stale)]
+        assert not os.path.exists(stale) and os.path.exists(alive)
+        asyncio.run(tier.close())
+    finally:
+        os.unlink(alive)

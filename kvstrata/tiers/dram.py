@@ -14,6 +14,9 @@ immediately, so a ``view()`` stays valid only while the store keeps the chunk pi
 Everything here runs on the event loop without awaiting: a copy of a 32 MiB chunk is a few
 milliseconds of memcpy.
 
+Segments of processes killed before ``close()`` are reclaimed when the next tier with the same
+prefix starts (the pid in the name is checked).
+
 Python 3.11's resource tracker would unlink the segment when *any* process that attached it
 exits; the tier unregisters it after creating it and unlinks it itself on ``close()`` (or at
 interpreter exit). Processes that attach by name must unregister it too (see
@@ -25,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import time
 import weakref
 from dataclasses import dataclass
@@ -93,6 +97,36 @@ def _unlink_shm(name: str) -> None:
     shm.unlink()
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reclaim_stale_arenas(prefix: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink ``{prefix}-{pid}-{n}`` segments whose process is gone (killed without close())."""
+    pattern = re.compile(rf"{re.escape(prefix)}-(\d+)-\d+")
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+            except OSError:
+                continue
+            removed.append(name)
+            log.warning("dram: removed stale arena %s of a process that is gone", name)
+    return removed
+
+
 class DramTier(MemoryTier):
     """Chunks in one shared-memory arena; see the module docstring."""
 
@@ -107,6 +141,7 @@ class DramTier(MemoryTier):
         self.config = config
         self.region_name = config.region
         size = (config.capacity + PAGE - 1) // PAGE * PAGE
+        self.reclaimed = reclaim_stale_arenas(config.name_prefix)
         shm_name = f"{config.name_prefix}-{os.getpid()}-{next(_arena_numbers)}"
         try:
             self._shm = shared_memory.SharedMemory(name=shm_name, create=True, size=size)
