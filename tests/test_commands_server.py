@@ -7,7 +7,7 @@ import time
 import pytest
 
 import kvstrata
-from kvstrata.protocol.frames import OK, Simple
+from kvstrata.protocol.frames import NO_REPLY, OK, Simple
 from kvstrata.server.commands.server import human_bytes
 from tests.fakectx import FakeCtx, FakeServer, FakeStore, err
 
@@ -200,8 +200,8 @@ def test_monitor_and_shutdown(srv: FakeServer, c: FakeCtx) -> None:
     assert err(other, "SHUTDOWN", "SAVE", "NOSAVE") == "ERR syntax error"
     assert err(other, "SHUTDOWN", "BOGUS") == "ERR syntax error"
     assert not srv.shutdown_requested
-    other.call("SHUTDOWN", "NOSAVE", "NOW")
-    assert srv.shutdown_requested and other.killed
+    assert other.call("SHUTDOWN", "NOSAVE", "NOW") is NO_REPLY
+    assert srv.shutdown_requested and other.closing_after_reply
 
 
 def test_help_replies(c: FakeCtx) -> None:

@@ -244,7 +244,6 @@ def test_command_introspection(clients: Callable[..., redis.Redis], protocol: in
     assert b"client|kill" in r.command_list() or "client|kill" in r.command_list()
 
 
-@pytest.mark.xfail(strict=True, reason="dispatcher: a bare COMMAND (no subcommand) is refused")
 def test_bare_command(clients: Callable[..., redis.Redis]) -> None:
     table = clients().command()
     assert table["get"]["arity"] == 2 and "readonly" in table["get"]["flags"]

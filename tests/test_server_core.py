@@ -395,3 +395,12 @@ def test_redis_benchmark_runs_unchanged(server: RunningServer) -> None:
     tests = {line.split(",")[0].strip('"') for line in proc.stdout.splitlines()[1:]}
     assert {"PING_INLINE", "PING_MBULK", "SET", "GET"} <= tests
     assert OK  # frames import used by handlers in this module
+
+
+def test_shutdown_in_a_pipeline_answers_what_came_before(make_server) -> None:
+    srv = make_server()
+    reply = raw_exchange(srv.port, b"PING\r\nSHUTDOWN\r\nPING\r\n", expect_close=True)
+    assert reply == b"+PONG\r\n"
+    assert srv.thread is not None
+    srv.thread.join(10)
+    assert not srv.thread.is_alive()

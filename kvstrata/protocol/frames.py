@@ -50,6 +50,17 @@ class _NullArray:
 NULL_ARRAY = _NullArray()
 
 
+class _NoReply:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NO_REPLY"
+
+
+#: returned by a handler that answers nothing (SHUTDOWN closes the connection instead)
+NO_REPLY = _NoReply()
+
+
 @dataclass(frozen=True, slots=True)
 class Verbatim:
     """A verbatim string (``=``), e.g. INFO in RESP3 is plain bulk; CLIENT INFO is verbatim."""

@@ -29,7 +29,7 @@ from kvstrata.protocol.errors import (
     RespError,
     wrong_arity,
 )
-from kvstrata.protocol.frames import BulkView, Simple
+from kvstrata.protocol.frames import NO_REPLY, BulkView, Simple
 from kvstrata.server.context import ClientState
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ HIGH_WATER = 4 * 1024 * 1024  # unexecuted bytes buffered before reading pauses
 JOIN_LIMIT = 64 * 1024  # replies up to this size are joined into one write
 FLUSH_PARTS = 48  # reply buffers gathered before they are handed to the transport
 _NO_SINKS: dict[int, Any] = {}
+#: as Redis: AUTH/HELLO and admin commands (CONFIG SET requirepass …) are not shown to MONITOR
+_NOT_MONITORED = frozenset({"no_auth", "admin"})
 DENIED = (
     b"-DENIED kvstrata is running in protected mode because protected mode is enabled and no "
     b"password is set for the default user. In this mode connections are only accepted from "
@@ -224,7 +226,12 @@ class Connection(asyncio.BufferedProtocol):
         queue = self._queue
         executed = 0
         try:
-            while not self._busy and not self._closing and not self._write_paused:
+            while (
+                not self._busy
+                and not self._closing
+                and not self._write_paused
+                and not self._close_after
+            ):
                 if queue:
                     self._execute(queue.popleft(), _NO_SINKS)
                     executed += 1
@@ -345,7 +352,7 @@ class Connection(asyncio.BufferedProtocol):
                 _abort_sinks(sinks)
                 self._reply_error(exc)
                 return
-        if server.monitors and "no_auth" not in spec.flags:
+        if server.monitors and not spec.flags & _NOT_MONITORED:
             server.feed_monitors(self, args)
         self.client.last_command = spec.name
         self.sinks = sinks
@@ -379,7 +386,7 @@ class Connection(asyncio.BufferedProtocol):
     def _resolve(self, spec: CommandSpec | None, args: list[Any]) -> CommandSpec:
         if spec is None:
             raise _unknown_command(args)
-        if spec.subcommands:
+        if spec.subcommands and (len(args) >= 2 or spec.handler is None):
             if len(args) < 2:
                 raise wrong_arity(spec.name)
             sub = spec.subcommands.get(bytes(args[1]).upper().decode("utf-8", "replace"))
@@ -422,6 +429,8 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- output ---------------------------------------------------------------------------
     def _reply(self, value: Any) -> None:
+        if value is NO_REPLY:
+            return
         if isinstance(value, RespError):
             self._reply_error(value)
             return

@@ -88,6 +88,9 @@ class Ctx(Protocol):
     def start_monitor(self) -> None:
         """Turn this connection into a MONITOR stream."""
 
+    def stop_monitor(self) -> None:
+        """Leave MONITOR mode (RESET)."""
+
     def send_push(self, value: Any) -> None:
         """Write an out-of-band reply (MONITOR lines)."""
 

@@ -271,10 +271,7 @@ def hello(ctx: Ctx, args: Args) -> Reply:
 )
 def reset(ctx: Ctx, args: Args) -> Reply:
     client = ctx.client
-    stop_monitor = getattr(ctx, "stop_monitor", None)  # not (yet) part of the Ctx protocol
-    if stop_monitor is not None:
-        stop_monitor()
-    ctx.server.monitors.discard(ctx)
+    ctx.stop_monitor()
     client.flags.difference_update({"O", "e", "T"})
     client.name = b""
     client.db = 0

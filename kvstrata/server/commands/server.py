@@ -18,7 +18,7 @@ from typing import Any
 import kvstrata
 from kvstrata.config import ConfigError, option
 from kvstrata.protocol.errors import CommandError, syntax_error
-from kvstrata.protocol.frames import OK, Simple
+from kvstrata.protocol.frames import NO_REPLY, OK, Simple
 from kvstrata.server.commands.connection import (
     REDACTED,
     REDIS_COMPAT_VERSION,
@@ -609,5 +609,5 @@ def shutdown(ctx: Ctx, args: Args) -> Reply:
     if b"ABORT" in opts:
         raise CommandError("Errors trying to abort SHUTDOWN. Check logs.")
     ctx.server.request_shutdown()
-    ctx.kill()
-    return None
+    ctx.close_after_reply()
+    return NO_REPLY
