@@ -181,3 +181,17 @@ def test_stores_run_behind_generation(model: object) -> None:
     assert pc.wait_stored(timeout=30) == 3
     assert [p[3] for p in bg.puts] == [C, C, C] and bg.puts[0][2] == b""
     pc.close()
+
+
+def test_store_a_cache_computed_elsewhere(model: object) -> None:
+    """An engine that ran the model itself hands its cache over; the next prompt reuses it."""
+    ids = _ids(40)
+    with torch.inference_mode():
+        cache = model(ids, use_cache=True).cache  # type: ignore[operator]
+    client = FakeKVClient()
+    pc = HFPrefixCache(model, client, chunk_tokens=C)
+    pc.store(ids, cache)
+    assert pc.wait_stored() == 2
+    res = pc.prefill(ids, store=False)
+    assert res.reused_tokens == 32
+    torch.testing.assert_close(res.logits, recompute_logits(model, ids), rtol=0, atol=REASSOC_ATOL)

@@ -210,6 +210,14 @@ class HFPrefixCache:
                 self._store_async(cache, hashes, first, len(hashes))
         return GenerateResult(out, pre)
 
+    def store(self, input_ids: Any, cache: DynamicCache, *, skip: int = 0) -> None:
+        """Store in the background the full chunks of ``input_ids`` that ``cache`` holds (a
+        cache computed elsewhere, e.g. by ``model.generate``), skipping the first ``skip``."""
+        ids = _as_ids(input_ids)[:, : cache.get_seq_length()]
+        hashes = self.hashes(ids)
+        if len(hashes) > skip:
+            self._store_async(cache, hashes, skip, len(hashes))
+
     def wait_stored(self, timeout: float | None = None) -> int:
         """Wait for background stores; return chunks stored so far. Re-raises a store error."""
         pending, self._pending = self._pending, []
