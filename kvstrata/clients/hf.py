@@ -173,8 +173,10 @@ class HFPrefixCache:
         t2 = time.perf_counter()
         logits = self._forward(ids[:, reuse:], cache)
         t3 = time.perf_counter()
-        if store and len(hashes) > matched:
-            self._store_async(cache, hashes, matched, len(hashes))
+        # a chunk that vanished after the match is stored again, from the one that was missing
+        first = matched if reuse >= want else reuse // self.chunk_tokens
+        if store and len(hashes) > first:
+            self._store_async(cache, hashes, first, len(hashes))
         return PrefillResult(
             cache=cache,
             logits=logits,
