@@ -133,6 +133,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path, help="server data folder (default: a temp dir)")
     p.add_argument("--dram-capacity", default="512MiB", help="embedded server's DRAM tier")
     p.add_argument("--no-recompute", action="store_true", help="skip the recompute baseline")
+    if argv and argv[0] == "--":  # ``kvstrata demo -- --turns 3`` passes the separator on
+        argv = argv[1:]
     return p.parse_args(argv)
 
 
