@@ -186,7 +186,11 @@ class GpuTier(MemoryTier):
         return self._mem.host_view(slot.offset, slot.length)
 
     def tensor(self, key: ChunkKey) -> Any:
-        """A torch uint8 tensor over the committed chunk, on the pool's device (no copy)."""
+        """A torch uint8 tensor over the committed chunk, on the pool's device (no copy).
+
+        The tier copies on its own non-blocking streams: work queued on such a tensor must be
+        finished (``torch.cuda.synchronize()`` or an event) before the chunk is committed,
+        read with ``get`` or deleted."""
         slot = self._lookup(key)
         return self._mem.tensor(slot.offset, slot.length)
 
