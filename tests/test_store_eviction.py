@@ -202,7 +202,7 @@ def test_chunk_larger_than_dram_goes_below() -> None:
 def test_match_prefetch_promotes_in_background() -> None:
     async def main() -> None:
         nvme = FakeTier("nvme")
-        async with open_store([make_dram(16 * SLOT), nvme], start=False) as store:
+        async with open_store([make_dram(16 * SLOT), nvme]) as store:
             hashes = chain(3)
             parent = b""
             for i, h in enumerate(hashes):
@@ -211,7 +211,7 @@ def test_match_prefetch_promotes_in_background() -> None:
             assert await store.placement.make_room(0, 16 * SLOT)
             assert store.match_tiers(NS, hashes) == ["nvme"] * 3
             assert store.prefetch(NS, [*hashes, b"missing"]) == 3
-            await store.drain()
+            await store.prefetch_idle()
             assert store.match_tiers(NS, hashes) == ["dram"] * 3
             assert store.prefetch(NS, hashes) == 0
 

@@ -18,6 +18,7 @@ import logging
 import time
 from collections import deque
 from time import perf_counter
+from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.protocol import decoder
@@ -363,7 +364,9 @@ class Connection(asyncio.BufferedProtocol):
             result = exc
         except Exception as exc:  # a bug must not kill the connection
             result = self._internal_error(spec, exc)
-        if spec.is_async:
+        # A sync handler may return a coroutine when it needs I/O only sometimes (KV.MATCH
+        # asking S3 about the part of a chain not held locally): it then runs like an async one.
+        if spec.is_async or type(result) is CoroutineType:
             self._busy = True
             self._task = asyncio.ensure_future(self._finish_async(result, spec, args, started))
             return

@@ -24,8 +24,10 @@ from kvstrata.config import Config
 from kvstrata.store.index import ChunkRecord, record_from_meta
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace, now_ms
+from kvstrata.store.kvstore_prefetch import PrefetchPath
 from kvstrata.store.kvstore_read import Payload, ReadPath
-from kvstrata.store.kvstore_state import StoreState
+from kvstrata.store.kvstore_remote import RemotePath
+from kvstrata.store.kvstore_state import StoreState, is_shared
 from kvstrata.store.kvstore_write import StoreSink, WritePath
 from kvstrata.store.leases import Lease, ReadLease, WriteLease, run_sweeper
 from kvstrata.store.placement import Placement
@@ -58,9 +60,11 @@ class KVStore:
         self.state = StoreState(config, keyspace, tiers)
         self.placement = Placement(self.state)
         self.writes = WritePath(self.state, self.placement)
-        self.reads = ReadPath(self.state, self.placement)
+        self.remote = RemotePath(self.state)
+        self.reads = ReadPath(self.state, self.placement, self.remote)
+        self.hints = PrefetchPath(self.state, self.placement, self.reads, self.remote)
         self.rebuild: dict[str, float] = {"chunks": 0, "bytes": 0, "seconds": 0.0,
-                                          "quarantined": 0}  # fmt: skip
+                                          "quarantined": 0, "errors": 0}  # fmt: skip
         self._background: list[asyncio.Task[Any]] = []
 
     @property
@@ -104,6 +108,7 @@ class KVStore:
             asyncio.get_running_loop().create_task(
                 self.placement.run_demoter(0.05), name="kv demoter"
             ),
+            asyncio.get_running_loop().create_task(self.hints.prefetch.run(), name="kv prefetch"),
         ]
 
     async def close(self) -> None:
@@ -121,35 +126,47 @@ class KVStore:
                 log.exception("closing tier %s failed", tier.name)
 
     async def _rebuild(self) -> None:
+        """Index what the local persistent tiers hold. The shared tier (s3) is not scanned:
+        other nodes write there too and its chunks are found on demand by lookups. A tier
+        whose scan fails is logged and counted; start-up goes on with what was found."""
         started = time.perf_counter()
-        state = self.state
-        for tier in state.tiers:
-            if not tier.persistent:
+        for tier in self.state.tiers:
+            if not tier.persistent or is_shared(tier):
                 continue
-            found = 0
-            async for meta in tier.scan():
-                rec = state.index.get(meta.key)
-                if rec is None:
-                    rec = record_from_meta(meta)
-                    rec.tiers = {tier.name}
-                    state.publish(rec)
-                    self.rebuild["chunks"] += 1
-                    self.rebuild["bytes"] += meta.size
-                elif rec.checksum == meta.checksum:
-                    state.index.add_tier(rec, tier.name)
-                else:
-                    log.warning("%s holds a stale copy of %s; deleting it", tier.name, meta.key.hex)
-                    state.spawn(tier.delete(meta.key), f"delete stale {meta.key.hex[:16]}")
-                found += 1
-            report = getattr(tier, "rebuild_report", None)
-            quarantined = getattr(report, "quarantined", 0) if report is not None else 0
-            if isinstance(report, dict):
-                quarantined = report.get("quarantined", 0)
-            self.rebuild["quarantined"] += (
-                len(quarantined) if isinstance(quarantined, list | tuple | set) else quarantined
-            )
-            log.info("rebuilt %d chunks from %s", found, tier.name)
+            try:
+                await self._rebuild_from(tier)
+            except Exception:
+                self.rebuild["errors"] += 1
+                self.state.errors += 1
+                self.state.counters[tier.name].errors += 1
+                log.exception("rebuilding the index from %s failed; starting without it", tier.name)
         self.rebuild["seconds"] = time.perf_counter() - started
+
+    async def _rebuild_from(self, tier: Tier) -> None:
+        state = self.state
+        found = 0
+        async for meta in tier.scan():
+            rec = state.index.get(meta.key)
+            if rec is None:
+                rec = record_from_meta(meta)
+                rec.tiers = {tier.name}
+                state.publish(rec)
+                self.rebuild["chunks"] += 1
+                self.rebuild["bytes"] += meta.size
+            elif rec.checksum == meta.checksum:
+                state.index.add_tier(rec, tier.name)
+            else:
+                log.warning("%s holds a stale copy of %s; deleting it", tier.name, meta.key.hex)
+                state.spawn(tier.delete(meta.key), f"delete stale {meta.key.hex[:16]}")
+            found += 1
+        report = getattr(tier, "rebuild_report", None)
+        quarantined = getattr(report, "quarantined", 0) if report is not None else 0
+        if isinstance(report, dict):
+            quarantined = report.get("quarantined", 0)
+        self.rebuild["quarantined"] += (
+            len(quarantined) if isinstance(quarantined, list | tuple | set) else quarantined
+        )
+        log.info("rebuilt %d chunks from %s", found, tier.name)
 
     def _end_lease(self, lease: Lease) -> None:
         if isinstance(lease, ReadLease):
@@ -201,6 +218,7 @@ class KVStore:
         return await self.reads.get(ns, hash)
 
     async def mget(self, ns: str, hashes: Sequence[bytes]) -> list[Payload | None]:
+        await self.remote.ensure_known(ns, hashes)
         return [await self.reads.get(ns, h) for h in hashes]
 
     async def lease(
@@ -221,7 +239,9 @@ class KVStore:
 
     # -- index queries -----------------------------------------------------------------------------
 
-    def _matched(self, ns: str, hashes: Sequence[bytes]) -> list[ChunkRecord]:
+    def matched(self, ns: str, hashes: Sequence[bytes]) -> list[ChunkRecord]:
+        """Records of the leading chunks of the chain this node knows (present, committed,
+        unexpired; a chunk known to be in s3 counts). Index only: no I/O."""
         state = self.state
         get = state.index.get
         now = now_ms()
@@ -238,25 +258,77 @@ class KVStore:
             out.append(rec)
         return out
 
+    def wants_remote(self, found: int, wanted: int) -> bool:
+        """True when a match that found ``found`` of ``wanted`` chunks should ask s3."""
+        return found < wanted and self.remote.enabled
+
+    async def match_remote(
+        self, ns: str, hashes: Sequence[bytes], local: list[ChunkRecord]
+    ) -> list[ChunkRecord]:
+        """``local`` (from :meth:`matched`) extended by what the shared tier holds."""
+        return [*local, *await self.remote.extend(ns, hashes, len(local))]
+
+    async def match_all(self, ns: str, hashes: Sequence[bytes]) -> list[ChunkRecord]:
+        """The matched records, asking the shared tier when the local match is short."""
+        local = self.matched(ns, hashes)
+        if self.wants_remote(len(local), len(hashes)):
+            return await self.match_remote(ns, hashes, local)
+        return local
+
     def match(self, ns: str, hashes: Sequence[bytes]) -> int:
-        """Number of leading chunks of the chain present, committed and unexpired."""
-        return len(self._matched(ns, hashes))
+        """Number of leading chunks of the chain this node knows (index only)."""
+        return len(self.matched(ns, hashes))
+
+    def tiers_of(self, records: Sequence[ChunkRecord]) -> list[str]:
+        """The fastest tier holding each record."""
+        order = [t.name for t in self.state.tiers]
+        return [next(n for n in order if n in rec.tiers) for rec in records]
 
     def match_tiers(self, ns: str, hashes: Sequence[bytes]) -> list[str]:
-        """The fastest tier holding each matched chunk."""
-        order = [t.name for t in self.state.tiers]
-        return [next(n for n in order if n in rec.tiers) for rec in self._matched(ns, hashes)]
+        """The fastest tier holding each locally matched chunk."""
+        return self.tiers_of(self.matched(ns, hashes))
 
-    def prefetch(self, ns: str, hashes: Sequence[bytes]) -> int:
-        """Start promoting the matched chunks that are below DRAM (background); returns how
-        many were queued."""
-        dram = self.state.dram
-        if dram is None:
-            return 0
-        todo = [r for r in self._matched(ns, hashes) if dram.name not in r.tiers]
-        if todo:
-            self.state.spawn(self.reads.prefetch(todo), f"prefetch {len(todo)} chunks")
-        return len(todo)
+    # -- sessions and prefetch ---------------------------------------------------------------------
+
+    def prefetch(
+        self,
+        ns: str,
+        hashes: Sequence[bytes],
+        target: str | None = None,
+        deadline_ms: int | None = None,
+    ) -> int:
+        """Queue a background promotion of the chain's chunks (returns at once); how many
+        chunks were queued (0: all already in the target, or the queue is full)."""
+        return self.hints.submit(ns, hashes, target, deadline_ms)[1]
+
+    def prefetch_request(
+        self,
+        ns: str,
+        hashes: Sequence[bytes],
+        target: str | None = None,
+        deadline_ms: int | None = None,
+    ) -> tuple[int, int]:
+        """Like :meth:`prefetch`; (request id, chunks queued), (0, 0) when nothing was."""
+        return self.hints.submit(ns, hashes, target, deadline_ms)
+
+    def prefetch_session(
+        self, ns: str, session: bytes, target: str | None = None, deadline_ms: int | None = None
+    ) -> tuple[int, int]:
+        """Queue the promotion of a session's chain; (request id, chunks queued)."""
+        return self.hints.submit_session(ns, session, target, deadline_ms)
+
+    def cancel_prefetch(self, request_id: int) -> bool:
+        return self.hints.prefetch.cancel(request_id)
+
+    def record_session(
+        self, ns: str, session: bytes, tail: bytes, ttl_ms: int | None = None
+    ) -> None:
+        """KV.SESSION: the session's conversation currently ends at chunk ``tail``."""
+        self.hints.record_session(ns, session, tail, ttl_ms)
+
+    async def prefetch_idle(self) -> None:
+        """Wait until no prefetch is queued or running (tests, benchmarks)."""
+        await self.hints.prefetch.idle()
 
     def info(self, ns: str, hash: bytes) -> dict[str, Any] | None:
         rec = self.state.live(ChunkKey(ns, hash))
@@ -327,7 +399,8 @@ class KVStore:
             (f"rebuild_{k}", round(v, 3) if isinstance(v, float) else v)
             for k, v in self.rebuild.items()
         ]
-        return {"tiers": tiers, "persistence": persistence}
+        tiers += self.remote.info()
+        return {"tiers": tiers, "persistence": persistence, "prefetch": self.hints.info()}
 
     def tier_error_count(self) -> int:
         return self.state.errors

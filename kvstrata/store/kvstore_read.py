@@ -10,6 +10,7 @@ instead of freeing the copy under it; a chunk deleted meanwhile is reported as a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from kvstrata.protocol.errors import CommandError, LeaseError
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey
+from kvstrata.store.kvstore_remote import RemotePath
 from kvstrata.store.kvstore_state import StoreState
 from kvstrata.store.leases import ReadLease, deadline_after
 from kvstrata.store.placement import Placement
@@ -33,6 +35,8 @@ from kvstrata.tiers.checksum import checksum
 
 log = logging.getLogger("kvstrata.store")
 
+_AHEAD = 8  # chunks a lease promotes at once
+
 
 @dataclass(frozen=True, slots=True)
 class Payload:
@@ -43,9 +47,12 @@ class Payload:
 
 
 class ReadPath:
-    def __init__(self, state: StoreState, placement: Placement) -> None:
+    def __init__(
+        self, state: StoreState, placement: Placement, remote: RemotePath | None = None
+    ) -> None:
         self.state = state
         self.placement = placement
+        self.remote = remote
 
     def _unpinner(self, rec: ChunkRecord) -> Callable[[], None]:
         done = False
@@ -66,6 +73,8 @@ class ReadPath:
         dram = state.dram
         for attempt in range(4):
             rec = state.live(key)
+            if rec is None and self.remote is not None:
+                rec = await self.remote.find(key)  # stored by another node?
             if rec is None:
                 for tier in state.tiers:
                     state.counters[tier.name].misses += 1
@@ -208,6 +217,9 @@ class ReadPath:
         dram = state.dram
         if dram is None:
             raise CommandError("KV.LEASE needs a dram tier")
+        if self.remote is not None:
+            await self.remote.ensure_known(ns, hashes)
+        await self._promote_ahead(ns, hashes)
         records: list[ChunkRecord] = []
         handles: list[Handle] = []
         try:
@@ -238,6 +250,31 @@ class ReadPath:
         state.counters[dram.name].hits += len(records)
         return lease
 
+    async def _promote_ahead(self, ns: str, hashes: Sequence[bytes]) -> None:
+        """Promote the leading chunks that are below DRAM in parallel (bounded), when they fit
+        together, so a chain held in nvme/s3 is not read one request after the other."""
+        state = self.state
+        dram = state.dram
+        assert dram is not None
+        below: list[ChunkRecord] = []
+        total = 0
+        for h in hashes:
+            rec = state.live(ChunkKey(ns, h))
+            if rec is None:
+                break
+            if dram.name not in rec.tiers:
+                below.append(rec)
+                total += rec.size
+        if len(below) < 2 or total > dram.capacity // 2:
+            return
+        gate = asyncio.Semaphore(_AHEAD)
+
+        async def one(rec: ChunkRecord) -> None:
+            async with gate:
+                await self.ensure_dram(rec)
+
+        await asyncio.gather(*(one(r) for r in below))
+
     def _unpin_all(self, records: Sequence[ChunkRecord]) -> None:
         for rec in records:
             rec.leases -= 1
@@ -257,16 +294,3 @@ class ReadPath:
         self.end_read_lease(lease)
         if leases.is_expired(lease):
             raise LeaseError(f"lease {lease_id} expired")
-
-    # -- prefetch --------------------------------------------------------------------------------
-
-    async def prefetch(self, records: Sequence[ChunkRecord]) -> int:
-        """Promote chunks below DRAM into DRAM where there is room (no eviction for them)."""
-        dram = self.state.dram
-        if dram is None:
-            return 0
-        done = 0
-        for rec in records:
-            if rec.alive and dram.name not in rec.tiers and await self.ensure_dram(rec, False):
-                done += 1
-        return done

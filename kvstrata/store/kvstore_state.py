@@ -59,6 +59,12 @@ class TierCounters:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def is_shared(tier: Tier) -> bool:
+    """A tier shared by every node of a cluster (s3): never scanned at start, found on demand,
+    and not a local copy (demotion still writes a local one below it)."""
+    return bool(getattr(tier, "shared", False)) or tier.name == "s3"
+
+
 def order_tiers(tiers: list[Tier]) -> list[Tier]:
     def rank(item: tuple[int, Tier]) -> tuple[int, int]:
         i, tier = item
@@ -79,6 +85,8 @@ class StoreState:
             raise ValueError(f"two tiers share a name: {[t.name for t in self.tiers]}")
         dram = self.by_name.get("dram")
         self.dram: MemoryTier | None = dram if isinstance(dram, MemoryTier) else None
+        #: the cluster-wide tier (s3) consulted for chunks this node does not know, or None
+        self.remote: Tier | None = next((t for t in self.tiers if is_shared(t)), None)
         self.index = ChunkIndex()
         self.counters = {t.name: TierCounters() for t in self.tiers}
         self.writers: dict[ChunkKey, asyncio.Event] = {}

@@ -17,7 +17,7 @@ from kvstrata.protocol.errors import BusyError, CommandError, LeaseError, OutOfM
 from kvstrata.store.index import record_from_meta
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.keyspace import now_ms
-from kvstrata.store.kvstore_state import StoreState
+from kvstrata.store.kvstore_state import StoreState, is_shared
 from kvstrata.store.leases import WriteLease, deadline_after
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import Buffer, TierError, TierFull
@@ -176,11 +176,14 @@ class WritePath:
                 continue
             try:
                 await self.placement.put_with_room(j, meta, data)
-            except TierFull as exc:
-                state.tier_error(tier.name, "write-through", exc)
-                raise OutOfMemoryError(f"write-through to {tier.name} failed: {exc}") from exc
             except TierError as exc:
                 state.tier_error(tier.name, "write-through", exc)
+                if is_shared(tier):
+                    # s3 write-through shows chunks to other nodes at once; during an outage
+                    # the chunk is still stored locally (and written back on eviction).
+                    continue
+                if isinstance(exc, TierFull):
+                    raise OutOfMemoryError(f"write-through to {tier.name} failed: {exc}") from exc
                 raise CommandError(f"write-through to {tier.name} failed: {exc}") from exc
             placed.append(tier.name)
         if dram is not None:

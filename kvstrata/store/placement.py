@@ -8,8 +8,10 @@ Policy, per tier:
 - Victims are chosen least-recently-used **among the chunks none of whose children are
   resident in that tier** (evicting a parent first would strand its children), never pinned
   (leased, being read, being moved) and never uncommitted (reservations are not in the index).
-- A victim is written back one tier down before its copy leaves (skipped when a lower tier
-  already holds it), or dropped when the tier is the last one.
+- A victim is written back one tier down before its copy leaves (skipped when a lower local
+  tier already holds it; a copy in the shared s3 tier only counts for the lowest local tier),
+  or dropped when the tier is the last one. The lowest local tier drops a victim whose
+  write-back to s3 fails (outage) rather than stall.
 - ``{tier}-write-policy = write-through``: PUTs write that tier before they are acknowledged
   (done by the write path through :meth:`Placement.put_with_room`).
 
@@ -35,8 +37,16 @@ from dataclasses import dataclass
 
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkMeta
-from kvstrata.store.kvstore_state import StoreState
-from kvstrata.tiers.base import Buffer, IntegrityError, MemoryTier, Tier, TierError, TierFull
+from kvstrata.store.kvstore_state import StoreState, is_shared
+from kvstrata.tiers.base import (
+    Buffer,
+    ChunkMissing,
+    IntegrityError,
+    MemoryTier,
+    Tier,
+    TierError,
+    TierFull,
+)
 from kvstrata.tiers.checksum import checksum
 
 log = logging.getLogger("kvstrata.store.placement")
@@ -234,9 +244,7 @@ class Placement:
         try:
             if name not in rec.tiers:
                 return False
-            lower = state.tiers[i + 1 :]
-            clean = not lower or any(t.name in rec.tiers for t in lower)
-            if not clean and await self._write_lower(rec, i) is None:
+            if not await self._keep_below(rec, i):
                 return False
             if not rec.alive or rec.pins > 1:
                 return False  # deleted meanwhile (freed later) or a reader pinned it: keep
@@ -253,6 +261,24 @@ class Placement:
                 self.changed(rec, name)
         return moved
 
+    async def _keep_below(self, rec: ChunkRecord, i: int) -> bool:
+        """Make sure the chunk survives leaving tier ``i``: written back to the next local tier
+        below that lacks it (a copy in the shared tier does not count: local reads are
+        cheaper), or to the shared tier from the lowest local one. False: keep the copy.
+
+        When the lowest local tier cannot write back to the shared tier (an S3 outage) the
+        chunk is dropped anyway: a cache may lose a chunk, a full local tier must not stall."""
+        lower = self.state.tiers[i + 1 :]
+        if not lower:
+            return True
+        held = any(t.name in rec.tiers for t in lower)
+        local = [t for t in lower if not is_shared(t)]
+        if any(t.name in rec.tiers for t in local) or (held and not local):
+            return True
+        if await self._write_lower(rec, i) is not None:
+            return True
+        return rec.alive and (held or not local)
+
     async def _write_lower(self, rec: ChunkRecord, i: int) -> str | None:
         state = self.state
         src = state.tiers[i]
@@ -262,6 +288,8 @@ class Placement:
         meta = rec.meta()
         for j in range(i + 1, len(state.tiers)):
             dst = state.tiers[j]
+            if dst.name in rec.tiers:
+                continue
             try:
                 await self.put_with_room(j, meta, data)
             except TierError as exc:
@@ -284,7 +312,7 @@ class Placement:
                 raise IntegrityError(f"{src.name}: checksum mismatch for {rec.key.hex}")
         except TierError as exc:
             self.state.tier_error(src.name, f"read of {rec.key.hex[:16]}", exc)
-            if isinstance(exc, IntegrityError):
+            if isinstance(exc, IntegrityError | ChunkMissing):
                 await self.state.delete_copy(rec, src.name)
             return None
         self.state.counters[src.name].bytes_out += rec.size

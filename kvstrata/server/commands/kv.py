@@ -190,9 +190,11 @@ _MATCH_WORDS = (b"WITHTIERS", b"PREFETCH")
     -3,
     "readonly fast",
     group="kv",
-    summary="Length of the longest cached prefix of a hash chain, in one round trip. "
-    "WITHTIERS adds the fastest tier of each matched chunk; PREFETCH starts promoting matched "
-    "chunks below DRAM in the background. A hash equal to an option word must not be last.",
+    summary="Length of the longest cached prefix of a hash chain, in one round trip. The part "
+    "of the chain this node does not hold is looked up in s3 (chunks stored by other nodes). "
+    "WITHTIERS adds the fastest tier of each matched chunk; PREFETCH queues the matched "
+    "chunks for promotion into DRAM in the background. A hash equal to an option word must not "
+    "be last.",
     complexity="O(N) hashes",
     arguments=(
         NS,
@@ -211,12 +213,25 @@ def kv_match(ctx: Ctx, args: Args) -> Reply:
         end -= 1
     hashes = check_hashes(args[2:end])
     store = store_of(ctx)
-    if b"PREFETCH" in flags:
-        store.prefetch(ns, hashes)
+    records = store.matched(ns, hashes)
+    if store.wants_remote(len(records), len(hashes)):
+        # Only now is there I/O: the connection awaits the returned coroutine.
+        return _match_remote(store, ns, hashes, records, flags)
+    return _match_reply(store, ns, records, flags)
+
+
+def _match_reply(store: Any, ns: str, records: list[Any], flags: set[bytes]) -> Reply:
+    if b"PREFETCH" in flags and records:
+        store.prefetch(ns, [r.key.hash for r in records])
     if b"WITHTIERS" in flags:
-        tiers = store.match_tiers(ns, hashes)
-        return [len(tiers), tiers]
-    return store.match(ns, hashes)
+        return [len(records), store.tiers_of(records)]
+    return len(records)
+
+
+async def _match_remote(
+    store: Any, ns: str, hashes: list[bytes], records: list[Any], flags: set[bytes]
+) -> Reply:
+    return _match_reply(store, ns, await store.match_remote(ns, hashes, records), flags)
 
 
 @command(
@@ -259,7 +274,16 @@ def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
     from kvstrata.store.hashing import chunk_hashes
 
     hashes = chunk_hashes(arg_bytes(tokens), ns, chunk, extra)
-    matched = store.match(ns, hashes)
+    records = store.matched(ns, hashes)
+    if store.wants_remote(len(records), len(hashes)):
+        return _matchtokens_remote(store, ns, hashes, records, chunk)
+    return [len(records) * chunk, len(records), hashes]
+
+
+async def _matchtokens_remote(
+    store: Any, ns: str, hashes: list[bytes], records: list[Any], chunk: int
+) -> Reply:
+    matched = len(await store.match_remote(ns, hashes, records))
     return [matched * chunk, matched, hashes]
 
 

@@ -1,0 +1,158 @@
+"""Cross-node lookups: chunks that other nodes stored in the shared tier (s3).
+
+A node knows the chunks it stored or loaded; everything else another node put in the bucket is
+found on demand, never by scanning it. When a chain (KV.MATCH, KV.LEASE, KV.MGET, prefetch) runs
+past what the local index holds, :meth:`RemotePath.extend` asks the shared tier about the rest
+in windows of ``max_connections`` parallel HEADs (the tier's negative cache answers recent
+misses from memory) and stops at the first window holding a miss, so a 500-chunk prompt whose
+first 40 chunks exist costs about 48 requests, not 500. Every chunk found gets an index record
+built from its object metadata (parent, tokens, size, checksum, codec) with residency
+``{s3}``, so GET and LEASE load it through the ordinary read path (checksum verified, promoted
+into DRAM).
+
+Failures never escape: a tier error or a lookup slower than ``timeout`` ends the lookup with
+what was found so far (a shorter match, i.e. misses), and is counted in the store's errors and
+the tier's ``errors`` counter; warnings are logged at most every few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvstrata.store.index import ChunkRecord, record_from_meta
+from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.store.kvstore_state import StoreState
+from kvstrata.tiers.base import TierError
+
+log = logging.getLogger("kvstrata.store.remote")
+
+_LOG_EVERY = 5.0  # seconds between two warnings about a failing shared tier
+
+
+class RemotePath:
+    """See the module docstring. ``timeout`` bounds one lookup (seconds)."""
+
+    def __init__(self, state: StoreState, timeout: float = 2.0) -> None:
+        self.state = state
+        self.timeout = timeout
+        self.lookups = 0  # lookups that had to ask the shared tier
+        self.found = 0  # chunks adopted into the index from the shared tier
+        self.timeouts = 0
+        self.errors = 0
+        self._logged = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.state.remote is not None
+
+    def window(self) -> int:
+        remote = self.state.remote
+        cfg: Any = getattr(remote, "config", None)
+        return max(1, int(getattr(cfg, "max_connections", 16)))
+
+    # -- lookups ---------------------------------------------------------------------------------
+
+    async def extend(self, ns: str, hashes: Sequence[bytes], start: int) -> list[ChunkRecord]:
+        """Records of ``hashes[start:]`` present locally or in the shared tier, leading ones only
+        (stops at the first chunk found nowhere)."""
+        out: list[ChunkRecord] = []
+        if self.state.remote is None or start >= len(hashes):
+            return out
+        self.lookups += 1
+        deadline = time.monotonic() + self.timeout
+        step = self.window()
+        for i in range(start, len(hashes), step):
+            keys = [ChunkKey(ns, h) for h in hashes[i : i + step]]
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                found = await asyncio.wait_for(
+                    asyncio.gather(*(self._lookup(k) for k in keys), return_exceptions=True), left
+                )
+            except TimeoutError:
+                self.timeouts += 1
+                self._failed(TimeoutError(f"lookup slower than {self.timeout} s"))
+                return out
+            for item in found:
+                if isinstance(item, BaseException):
+                    if not isinstance(item, Exception):
+                        raise item
+                    self._failed(item)
+                    return out
+                if item is None:
+                    return out
+                out.append(item)
+        return out
+
+    async def find(self, key: ChunkKey) -> ChunkRecord | None:
+        """The record of one chunk, asking the shared tier when the index does not know it."""
+        rec = self.state.live(key)
+        if rec is not None or self.state.remote is None:
+            return rec
+        found = await self.extend(key.namespace, [key.hash], 0)
+        return found[0] if found else None
+
+    async def ensure_known(self, ns: str, hashes: Sequence[bytes]) -> None:
+        """Adopt the records of a chain's chunks that the index lacks (before LEASE/MGET)."""
+        if self.state.remote is None:
+            return
+        live = self.state.live
+        for i, h in enumerate(hashes):
+            if live(ChunkKey(ns, h)) is None:
+                await self.extend(ns, hashes, i)
+                return
+
+    async def _lookup(self, key: ChunkKey) -> ChunkRecord | None:
+        rec = self.state.live(key)
+        if rec is not None and rec.tiers:
+            return rec
+        remote = self.state.remote
+        assert remote is not None
+        meta = await remote.meta(key)
+        return None if meta is None else self.adopt(meta)
+
+    def adopt(self, meta: ChunkMeta) -> ChunkRecord | None:
+        """Index a chunk found in the shared tier (or add that residency to a known record)."""
+        state = self.state
+        remote = state.remote
+        assert remote is not None
+        rec = state.live(meta.key)
+        if rec is not None:
+            if rec.checksum == meta.checksum and rec.size == meta.size:
+                state.index.add_tier(rec, remote.name)
+            return rec if rec.tiers else None
+        if state.key_busy(meta.key):
+            return None  # a local writer or a copy being freed owns the key right now
+        rec = record_from_meta(meta)
+        rec.tiers = {remote.name}
+        state.publish(rec)
+        self.found += 1
+        return rec
+
+    # -- failures --------------------------------------------------------------------------------
+
+    def _failed(self, exc: Exception) -> None:
+        state = self.state
+        name = state.remote.name if state.remote is not None else "s3"
+        self.errors += 1
+        state.errors += 1
+        if name in state.counters:
+            state.counters[name].errors += 1
+        now = time.monotonic()
+        if now - self._logged >= _LOG_EVERY:
+            self._logged = now
+            kind = "tier error" if isinstance(exc, TierError) else type(exc).__name__
+            log.warning("lookup in %s failed (%s: %s); answering from local tiers", name, kind, exc)
+
+    def info(self) -> list[tuple[str, object]]:
+        return [
+            ("remote_lookups", self.lookups),
+            ("remote_found", self.found),
+            ("remote_timeouts", self.timeouts),
+            ("remote_errors", self.errors),
+        ]
