@@ -1,0 +1,109 @@
+"""Two kvstrata servers with their own DRAM and NVMe sharing one S3 bucket (moto over HTTP),
+driven through redis-py: what node A stores is matched (KV.MATCH, KV.MATCHTOKENS), loaded
+(KV.GET, KV.LEASE) and session-prefetched on node B. Waits are bounded polls of INFO."""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from kvstrata.store.hashing import chunk_hashes
+from tests.conftest import RunningServer
+
+if TYPE_CHECKING:
+    from tests.s3fixture import MotoServer
+
+pytest_plugins = ["tests.s3fixture"]
+
+NS = "xnode@bf16@c4"
+CHUNK = 4
+SIZE = 64 * 1024
+
+
+def client(srv: RunningServer) -> redis.Redis:
+    return redis.Redis(host=srv.host, port=srv.port, protocol=3, socket_timeout=30)
+
+
+def pair(make_server: Callable[..., RunningServer], endpoint: str, bucket: str) -> Any:
+    common = {"s3_endpoint": endpoint, "s3_bucket": bucket, "dram_capacity": "8MiB",
+              "nvme_capacity": "16MiB"}  # fmt: skip
+    a = make_server(s3_write_policy="write-through", **common)
+    b = make_server(**common)
+    return client(a), client(b)
+
+
+def put_chain(r: redis.Redis, hashes: list[bytes]) -> list[bytes]:
+    payloads = []
+    parent = b""
+    for i, h in enumerate(hashes):
+        data = bytes([i + 1]) * SIZE
+        assert r.execute_command("KV.PUT", NS, h, parent, data, "TOKENS", CHUNK) == 1
+        payloads.append(data)
+        parent = h
+    return payloads
+
+
+def info(r: redis.Redis, section: str) -> dict[str, Any]:
+    return dict(r.info(section))
+
+
+def test_chain_stored_on_a_is_matched_and_loaded_on_b(
+    make_server: Callable[..., RunningServer], moto_server: MotoServer, s3_bucket: str
+) -> None:
+    """Scenario: A stores 5 chunks hashed from tokens (write-through to S3). B matches them
+    in one round trip each way (hashes and tokens), GETs one, leases the chain, and shows
+    where the chunks were found."""
+    ra, rb = pair(make_server, moto_server.endpoint, s3_bucket)
+    tokens = list(range(5 * CHUNK + 2))
+    packed = struct.pack(f"<{len(tokens)}I", *tokens)
+    hashes = chunk_hashes(packed, NS, CHUNK)
+    payloads = put_chain(ra, hashes)
+    assert rb.execute_command("KV.MATCH", NS, *hashes[:3]) == 3
+    matched = rb.execute_command("KV.MATCHTOKENS", NS, packed, "CHUNK", CHUNK)
+    assert matched[:2] == [5 * CHUNK, 5] and matched[2] == hashes
+    assert rb.execute_command("KV.MATCH", NS, *hashes, b"nope", "WITHTIERS") == [5, [b"s3"] * 5]
+    assert rb.execute_command("KV.GET", NS, hashes[4]) == payloads[4]
+    lease_id, handles = rb.execute_command("KV.LEASE", NS, *hashes)
+    assert lease_id and len(handles) == 5
+    assert rb.execute_command("KV.RELEASE", lease_id) == b"OK"
+    tiers = rb.execute_command("KV.MATCH", NS, *hashes, "WITHTIERS")[1]
+    assert tiers == [b"dram"] * 5
+    stats = info(rb, "tiers")
+    assert stats["remote_found"] == 5 and stats["s3_bytes_out"] == 5 * SIZE
+    assert rb.execute_command("KV.MATCH", NS, b"unknown-1", b"unknown-2") == 0
+
+
+def test_session_prefetch_on_b_before_the_next_lease(
+    make_server: Callable[..., RunningServer], moto_server: MotoServer, s3_bucket: str
+) -> None:
+    """Scenario: B learned of A's 4-chunk conversation through KV.MATCH (chunks in s3 only);
+    KV.SESSION records its tail on B and KV.PREFETCH SESSION returns at once. INFO prefetch
+    then shows the request done and KV.INFO shows each chunk in DRAM, so the next KV.LEASE
+    promotes nothing itself."""
+    ra, rb = pair(make_server, moto_server.endpoint, s3_bucket)
+    hashes = chunk_hashes(struct.pack("<16I", *range(100, 116)), NS, CHUNK)
+    put_chain(ra, hashes)
+    assert rb.execute_command("KV.MATCH", NS, *hashes) == 4
+    assert rb.execute_command("KV.SESSION", NS, "conv-7", hashes[-1]) == b"OK"
+    request_id, queued = rb.execute_command("KV.PREFETCH", NS, "SESSION", "conv-7")
+    assert request_id > 0 and queued == 4
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        pf = info(rb, "prefetch")
+        if pf["prefetch_done"] >= 1 and pf["prefetch_running"] == 0:
+            break
+        time.sleep(0.05)
+    pf = info(rb, "prefetch")
+    assert (pf["prefetch_done"], pf["prefetch_late"], pf["prefetch_chunks"]) == (1, 0, 4)
+    assert pf["prefetch_bytes"] == 4 * SIZE and pf["sessions"] == 1
+    for h in hashes:
+        assert b"dram" in rb.execute_command("KV.INFO", NS, h)[b"tiers"]
+    promotions = info(rb, "tiers")["dram_promotions"]
+    lease_id, handles = rb.execute_command("KV.LEASE", NS, *hashes)
+    assert len(handles) == 4
+    assert info(rb, "tiers")["dram_promotions"] == promotions
+    rb.execute_command("KV.RELEASE", lease_id)
