@@ -160,7 +160,10 @@ class PrefetchPath:
             ok = await self.reads.ensure_dram(rec, make_room=True)
         else:
             ok = await self._copy_into(rec, state.tier_index(target))
-        return rec.size if ok and rec.alive else 0
+        if not ok or not rec.alive:
+            return 0
+        rec.touch()  # just prefetched: the last chunk to evict, not the first
+        return rec.size
 
     async def _copy_into(self, rec: ChunkRecord, j: int) -> bool:
         """Copy ``rec`` into the local tier ``j`` from a slower tier holding it."""
