@@ -7,8 +7,9 @@ tier I/O is awaited, and no lock is held across an await (key ownership is descr
 ``kvstore_state``).
 
 Lifecycle: ``await KVStore.from_config(config, keyspace)`` (or ``KVStore(config, keyspace,
-tiers)``), then ``await store.start()`` (rebuilds the index from the persistent tiers, starts
-the lease sweeper and the demoter) and finally ``await store.close()``.
+tiers)``), then ``await store.start()`` (rebuilds the index from the local persistent
+tiers, starts the lease sweeper, the demoter and the prefetch workers) and finally
+``await store.close()``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The read path: KV.GET (zero-copy from DRAM, read-through and promotion from cold tiers),
-KV.LEASE / RELEASE (pinned handles into the shareable DRAM arena) and background prefetch.
+KV.LEASE / RELEASE (pinned handles into the shareable DRAM arena). Chunks the index does not
+know are looked up in the shared tier first (``kvstore_remote``).
 
 A DRAM hit returns a view of the arena slot, pinned until the caller's ``release()``. A hit in
 a lower tier reads straight into a fresh DRAM reservation when there is room (promotion with
