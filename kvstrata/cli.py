@@ -32,23 +32,20 @@ def _parser() -> argparse.ArgumentParser:
             help=f"{opt.doc} (default: {opt.fmt(opt.default) if opt.default != '' else 'empty'})",
         )  # fmt: skip
     sub.add_parser("version", help="print the version")
-    demo = sub.add_parser("demo", help="multi-turn transformers demo against an embedded server")
-    demo.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser(
+        "demo", help="multi-turn transformers demo against an embedded server (demo --help)"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # the demo parses its own options
+        return _demo(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "version":
         print(f"kvstrata {__version__}")
         return 0
-    if args.command == "demo":
-        try:
-            from kvstrata.demo import main as demo_main
-        except ImportError as exc:
-            print(f"kvstrata demo needs the 'hf' extra: pip install 'kvstrata[hf]' ({exc})")
-            return 2
-        return demo_main(args.args)
     if args.command != "serve":
         _parser().print_help()
         return 2
@@ -59,6 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstrata: configuration error: {exc}", file=sys.stderr)
         return 2
     return serve(config, args.config or "")
+
+
+def _demo(argv: list[str]) -> int:
+    try:
+        from kvstrata.demo import main as demo_main
+    except ImportError as exc:
+        print(f"kvstrata demo needs the 'hf' extra: pip install 'kvstrata[hf]' ({exc})")
+        return 2
+    return demo_main(argv)
 
 
 def serve(config: Config, config_file: str = "") -> int:
