@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _servers import Proc, free_port, kvstrata_server, redis_server  # noqa: E402
+from _servers import Proc, free_port, kvstrata_server, redis_server
 
-from kvstrata.clients import Client  # noqa: E402
+from kvstrata.clients import Client
 
 NS = "bench@u8@c256"
 MiB = 1 << 20
@@ -129,70 +129,83 @@ def cpu_per_op(proc: Proc, fn: Callable[[], object], rounds: int) -> float:
 
 
 def bench_put_get(kv_proc: Proc, redis_proc: Proc, rounds: int) -> list[tuple]:
-    rows = []
     kv, rd = RawClient(kv_proc.port), RawClient(redis_proc.port)
-    for mib in (1, 8, 32):
-        size = mib * MiB
-        payload = memoryview(os.urandom(size))
-        out = memoryview(bytearray(size))
-        key = b"k%d" % mib
-        h = b"h%d" % mib
-        fresh = iter(range(10**9))
+    return [_put_get(kv, rd, kv_proc, redis_proc, mib, rounds) for mib in (1, 8, 32)]
 
-        def kv_put() -> None:
-            # a new chunk each time, as an engine stores new prefixes (KV.GET reads ``h``)
-            kv.command(b"KV.PUT", NS.encode(), b"%s-%d" % (h, next(fresh)), b"", payload)
-            kv.read_line()
 
-        kv.command(b"KV.PUT", NS.encode(), h, b"", payload)
+def _put_get(
+    kv: RawClient, rd: RawClient, kv_proc: Proc, redis_proc: Proc, mib: int, rounds: int
+) -> tuple:
+    size = mib * MiB
+    payload = memoryview(os.urandom(size))
+    out = memoryview(bytearray(size))
+    key = b"k%d" % mib
+    h = b"h%d" % mib
+    fresh = iter(range(10**9))
+
+    def kv_put() -> None:
+        # a new chunk each time, as an engine stores new prefixes (KV.GET reads ``h``)
+        kv.command(b"KV.PUT", NS.encode(), b"%s-%d" % (h, next(fresh)), b"", payload)
         kv.read_line()
 
-        def rd_put() -> None:
-            rd.command(b"SET", key, payload)
-            rd.read_line()
+    def rd_put() -> None:
+        rd.command(b"SET", key, payload)
+        rd.read_line()
 
-        def kv_get() -> None:
-            kv.command(b"KV.GET", NS.encode(), h)
-            kv.read_bulk_into(out)
+    def kv_get() -> None:
+        kv.command(b"KV.GET", NS.encode(), h)
+        kv.read_bulk_into(out)
 
-        def rd_get() -> None:
-            rd.command(b"GET", key)
-            rd.read_bulk_into(out)
+    def rd_get() -> None:
+        rd.command(b"GET", key)
+        rd.read_bulk_into(out)
 
-        t_kput, t_rput = timed(kv_put, rounds), timed(rd_put, rounds)
-        t_kget, t_rget = timed(kv_get, rounds), timed(rd_get, rounds)
-        assert bytes(out) == bytes(payload)
-        loop = loopback_gbps(size, rounds)
-        cpu = [cpu_per_op(p, f, rounds) for p, f in
-               ((kv_proc, kv_put), (redis_proc, rd_put), (kv_proc, kv_get), (redis_proc, rd_get))]
-        rows.append((mib, size / t_kput / 1e9, size / t_rput / 1e9,
-                     size / t_kget / 1e9, size / t_rget / 1e9, loop, cpu))  # fmt: skip
-    return rows
+    kv.command(b"KV.PUT", NS.encode(), h, b"", payload)
+    kv.read_line()
+    t_kput, t_rput = timed(kv_put, rounds), timed(rd_put, rounds)
+    t_kget, t_rget = timed(kv_get, rounds), timed(rd_get, rounds)
+    assert bytes(out) == bytes(payload)
+    loop = loopback_gbps(size, rounds)
+    cpu = [
+        cpu_per_op(p, f, rounds)
+        for p, f in (
+            (kv_proc, kv_put),
+            (redis_proc, rd_put),
+            (kv_proc, kv_get),
+            (redis_proc, rd_get),
+        )
+    ]
+    return (mib, size / t_kput / 1e9, size / t_rput / 1e9, size / t_kget / 1e9,
+            size / t_rget / 1e9, loop, cpu)  # fmt: skip
 
 
 def bench_lease(kv_port: int, rounds: int) -> list[tuple]:
-    rows = []
     with Client(port=kv_port) as client:
-        for mib in (1, 8, 32):
-            size = mib * MiB
-            h = b"lease%d" % mib
-            client.put(NS, h, None, os.urandom(size))
-            dst = np.empty(size, np.uint8)
-            src = np.random.randint(0, 255, size, dtype=np.uint8)
-            lease = client.lease(NS, [h])
-            assert lease is not None
-            view = lease.arrays()[0]
-            t_lease = timed(lambda v=view: np.copyto(dst, v), rounds)
-            t_mem = timed(lambda: np.copyto(dst, src), rounds)
-            lease.release()
-            # the end-to-end engine path: lease round trip + copy + release
-            def full(h=h) -> None:
-                with client.lease(NS, [h]) as le:  # type: ignore[union-attr]
-                    np.copyto(dst, le.arrays()[0])
+        return [_lease(client, mib, rounds) for mib in (1, 8, 32)]
 
-            t_full = timed(full, rounds)
-            rows.append((mib, size / t_lease / 1e9, size / t_full / 1e9, size / t_mem / 1e9))
-    return rows
+
+def _lease(client: Client, mib: int, rounds: int) -> tuple:
+    size = mib * MiB
+    h = b"lease%d" % mib
+    client.put(NS, h, None, os.urandom(size))
+    dst = np.empty(size, np.uint8)
+    src = np.random.randint(0, 255, size, dtype=np.uint8)
+    lease = client.lease(NS, [h])
+    assert lease is not None
+    view = lease.arrays()[0]
+    t_lease = timed(lambda: np.copyto(dst, view), rounds)
+    t_mem = timed(lambda: np.copyto(dst, src), rounds)
+    lease.release()
+
+    def full() -> None:
+        # the engine's whole path: lease round trip, copy, release round trip
+        grant = client.lease(NS, [h])
+        assert grant is not None
+        with grant as le:
+            np.copyto(dst, le.arrays()[0])
+
+    t_full = timed(full, rounds)
+    return (mib, size / t_lease / 1e9, size / t_full / 1e9, size / t_mem / 1e9)
 
 
 def bench_match(kv_port: int, redis_port: int, rounds: int) -> tuple[float, float, int]:
@@ -224,18 +237,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    with redis_server() as redis_proc, kvstrata_server(
-        "--dram-capacity", "3GiB", "--nvme-capacity", "0"
-    ) as kv_proc:
+    with (
+        redis_server() as redis_proc,
+        kvstrata_server("--dram-capacity", "3GiB", "--nvme-capacity", "0") as kv_proc,
+    ):
         put_get = bench_put_get(kv_proc, redis_proc, args.repeat)
         lease = bench_lease(kv_proc.port, args.repeat)
         t_match, t_exists, n = bench_match(kv_proc.port, redis_proc.port, args.repeat)
     print("\n1. Payloads over TCP (GB/s, median)")
-    print(f"{'MiB':>4} {'KV.PUT':>8} {'redis SET':>10} {'PUT/SET':>8} {'KV.GET':>8} "
-          f"{'redis GET':>10} {'GET/GET':>8} {'loopback':>9} {'GET/loop':>9}")
+    print(
+        f"{'MiB':>4} {'KV.PUT':>8} {'redis SET':>10} {'PUT/SET':>8} {'KV.GET':>8} "
+        f"{'redis GET':>10} {'GET/GET':>8} {'loopback':>9} {'GET/loop':>9}"
+    )
     for mib, kput, rput, kget, rget, loop, _ in put_get:
-        print(f"{mib:4d} {kput:8.2f} {rput:10.2f} {kput / rput:8.2f} {kget:8.2f} {rget:10.2f} "
-              f"{kget / rget:8.2f} {loop:9.2f} {kget / loop:9.2f}")
+        print(
+            f"{mib:4d} {kput:8.2f} {rput:10.2f} {kput / rput:8.2f} {kget:8.2f} {rget:10.2f} "
+            f"{kget / rget:8.2f} {loop:9.2f} {kget / loop:9.2f}"
+        )
     print("\n   server CPU ms per op (user + system)")
     print(f"{'MiB':>4} {'KV.PUT':>8} {'redis SET':>10} {'KV.GET':>8} {'redis GET':>10}")
     for mib, *_, (c_kput, c_rput, c_kget, c_rget) in put_get:

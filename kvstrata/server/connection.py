@@ -21,7 +21,6 @@ from time import perf_counter
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.protocol import decoder
 from kvstrata.protocol.encoder import encode_reply, join_small
 from kvstrata.protocol.errors import (
     CommandError,
@@ -32,6 +31,7 @@ from kvstrata.protocol.errors import (
 )
 from kvstrata.protocol.frames import NO_REPLY, BulkView, Simple
 from kvstrata.server.context import ClientState
+from kvstrata.server.intake import Intake, WithSinks, abort_sinks
 
 if TYPE_CHECKING:
     from kvstrata.server.app import Server
@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstrata.server")
 
-BIG = 64 * 1024  # bulk arguments at least this large are received in place
-INITIAL_BUFFER = 256 * 1024
 HIGH_WATER = 4 * 1024 * 1024  # unexecuted bytes buffered before reading pauses
 JOIN_LIMIT = 64 * 1024  # replies up to this size are joined into one write
 FLUSH_PARTS = 48  # reply buffers gathered before they are handed to the transport
@@ -62,34 +60,6 @@ DENIED = (
 )
 
 
-class _BytesSink:
-    """Default destination of a large bulk: a bytearray that becomes the argument."""
-
-    __slots__ = ("data", "view")
-
-    def __init__(self, nbytes: int) -> None:
-        self.data = bytearray(nbytes)
-        self.view = memoryview(self.data)
-
-    def consume(self) -> bytearray:
-        return self.data
-
-    def abort(self) -> None:
-        pass
-
-
-class _Partial:
-    """A command whose large bulk is being received."""
-
-    __slots__ = ("args", "need_crlf", "remaining", "sinks")
-
-    def __init__(self, args: list[Any], remaining: int, sinks: dict[int, Any]) -> None:
-        self.args = args
-        self.remaining = remaining
-        self.sinks = sinks
-        self.need_crlf = True
-
-
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
@@ -105,13 +75,7 @@ class Connection(asyncio.BufferedProtocol):
         self.sinks: dict[int, Any] = _NO_SINKS
         self.transport: asyncio.Transport | None = None
         self.client = ClientState(id=0, addr="?", laddr="?")
-        self._buf = bytearray(INITIAL_BUFFER)
-        self._mv = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
-        self._partial: _Partial | None = None
-        self._direct: memoryview | None = None
-        self._filled = 0
+        self._in = Intake(self._sink_for)
         self._out: list[Any] = []
         self._out_bytes = 0
         self._releases: list[Any] = []
@@ -123,7 +87,7 @@ class Connection(asyncio.BufferedProtocol):
         self._resp3 = False
         self._monitor = False
         self._task: asyncio.Task[None] | None = None
-        self._queue: deque[list[Any]] = deque()
+        self._queue: deque[Any] = deque()  # plain argument lists, or WithSinks
         self._slow = 0.0  # slow-log threshold in seconds, refreshed per batch
 
     # -- asyncio callbacks ----------------------------------------------------------------
@@ -158,31 +122,27 @@ class Connection(asyncio.BufferedProtocol):
         self._closing = True
         self.server.clients.pop(self.client.id, None)
         self.server.monitors.discard(self)
-        if self._partial is not None:
-            _abort_sinks(self._partial.sinks)
-            self._partial = None
-        self._direct = None
+        self._abort_sinks(self._in.drop())
+        for item in self._queue:
+            if type(item) is WithSinks:
+                self._abort_sinks(item.sinks)
         self._queue.clear()
         self._run_releases()  # a running async command finishes; its reply is dropped
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._direct is not None:
-            return self._direct[self._filled :]
-        if self._end == len(self._buf):
-            self._make_room()
-        return self._mv[self._end :]
+        view = self._in.get_buffer(self.server.config.values["client-query-buffer-limit"])
+        if self._in.overflow and not self._closing:
+            # Closing the transport inside get_buffer is not allowed: report from a callback.
+            self._closing = True
+            error = ProtocolError("client query buffer limit reached")
+            asyncio.get_running_loop().call_soon(self._protocol_error, error)
+        return view
 
     def buffer_updated(self, nbytes: int) -> None:
         self.server.stats.total_net_input_bytes += nbytes
         self.client.last_interaction = time.monotonic()
-        if self._direct is not None:
-            self._filled += nbytes
-            if self._filled < self._direct.nbytes:
-                return
-            self._direct = None
-        else:
-            self._end += nbytes
-        self._process()
+        if self._in.received(nbytes):
+            self._process()
 
     def eof_received(self) -> bool:
         return False
@@ -197,29 +157,6 @@ class Connection(asyncio.BufferedProtocol):
         self._process()
 
     # -- input ----------------------------------------------------------------------------
-    def _make_room(self) -> None:
-        pending = self._end - self._start
-        if self._start > 0:
-            data = bytes(self._mv[self._start : self._end])
-            self._buf[:pending] = data
-            self._start, self._end = 0, pending
-            return
-        limit = self.server.config.client_query_buffer_limit
-        if len(self._buf) >= limit:
-            # Drop what is buffered (the client is being closed) and report the error from a
-            # fresh callback: closing the transport inside get_buffer is not allowed.
-            self._start = self._end = 0
-            if not self._closing:
-                self._closing = True
-                error = ProtocolError("client query buffer limit reached")
-                asyncio.get_running_loop().call_soon(self._protocol_error, error)
-            return
-        bigger = bytearray(len(self._buf) * 2)
-        bigger[:pending] = self._mv[:pending]
-        self._mv.release()
-        self._buf = bigger
-        self._mv = memoryview(bigger)
-
     def _process(self) -> None:
         """Decode what is buffered and run it, unless paused or an async command is running."""
         values = self.server.config.values
@@ -234,107 +171,38 @@ class Connection(asyncio.BufferedProtocol):
                 and not self._close_after
             ):
                 if queue:
-                    self._execute(queue.popleft(), _NO_SINKS)
+                    item = queue.popleft()
+                    if type(item) is list:
+                        self._execute(item, _NO_SINKS)
+                    else:
+                        self._execute(item.args, item.sinks)
                     executed += 1
                     if len(self._out) >= FLUSH_PARTS:
                         self._flush()  # lets the transport push back (pause_writing)
-                elif self._partial is not None:
-                    executed += 1
-                    if not self._continue_partial():
-                        executed -= 1
-                        break
-                elif self._direct is not None or not self._decode(
-                    values["proto-max-bulk-len"], values["max-multibulk-len"]
+                elif not self._in.decode(
+                    queue, values["proto-max-bulk-len"], values["max-multibulk-len"]
                 ):
                     break
         except ProtocolError as exc:
             self._protocol_error(exc)
         self.server.stats.total_commands_processed += executed
         self.client.commands += executed
-        if self._start == self._end and self._direct is None:
-            self._start = self._end = 0
+        self._in.compact()
         self._flush()
         self._update_reading()
 
-    def _decode(self, max_bulk: int, max_args: int) -> bool:
-        """Decode buffered commands into the queue; False when nothing more can be decoded."""
-        cmds, pos, state = decoder.parse_requests(
-            self._buf, self._start, self._end, BIG, max_bulk, max_args
-        )
-        self._start = pos
-        self._queue.extend(cmds)
-        if state is None:
-            return bool(cmds)
-        if state == decoder.INLINE:
-            inline, pos = decoder.parse_inlines(self._buf, self._start, self._end)
-            self._start = pos
-            self._queue.extend(inline)
-            return bool(cmds) or pos != self._start or bool(inline)
-        self._begin_big(state, {})
-        return True
-
-    def _begin_big(self, state: decoder.BigBulk, sinks: dict[int, Any]) -> None:
-        args = state.args
-        sink = None
-        index = len(args)
+    def _sink_for(self, args: list[Any], nbytes: int) -> Any:
+        """The command's payload sink for a large bulk argument (None: a plain bytearray)."""
         spec = self.server.registry.lookup(args[0]) if args else None
-        if spec is not None and spec.sink is not None and self.client.authenticated:
-            try:
-                sink = spec.sink(self, args, state.length)
-            except RespError:
-                sink = None
-            except Exception:
-                log.exception("payload sink of %s failed", spec.name)
-                sink = None
-        if sink is None:
-            sink = _BytesSink(state.length)
-            args.append(sink.data)
-        else:
-            args.append(sink.view)
-            sinks[index] = sink
-        self._partial = _Partial(args, state.remaining - 1, sinks)
-        have = min(self._end - state.data_pos, state.length)
-        if have > 0:
-            sink.view[:have] = self._mv[state.data_pos : state.data_pos + have]
-        if have < state.length:
-            self._direct = sink.view.cast("B") if sink.view.format != "B" else sink.view
-            self._filled = have
-            self._start = self._end = 0
-        else:
-            self._start = state.data_pos + state.length
-
-    def _continue_partial(self) -> bool:
-        """Finish the command of a large bulk; False when more bytes are needed."""
-        part = self._partial
-        assert part is not None
-        if self._direct is not None:
-            return False
-        if part.need_crlf:
-            if self._end - self._start < 2:
-                return False
-            if self._buf[self._start : self._start + 2] != b"\r\n":
-                raise ProtocolError("expected CRLF after bulk data")
-            self._start += 2
-            part.need_crlf = False
-        if part.remaining:
-            cfg = self.server.config
-            before = len(part.args)
-            pos, state = decoder.parse_args(
-                self._buf, self._start, self._end, part.remaining, BIG,
-                cfg.proto_max_bulk_len, part.args,
-            )  # fmt: skip
-            part.remaining -= len(part.args) - before
-            self._start = pos
-            if state is None:
-                return False
-            if state is not True:
-                self._partial = None
-                state.args = part.args
-                self._begin_big(state, part.sinks)
-                return self._direct is None
-        self._partial = None
-        self._execute(part.args, part.sinks)
-        return True
+        if spec is None or spec.sink is None or not self.client.authenticated:
+            return None
+        try:
+            return spec.sink(self, args, nbytes)
+        except RespError:
+            return None
+        except Exception:
+            log.exception("payload sink of %s failed", spec.name)
+            return None
 
     # -- dispatch -------------------------------------------------------------------------
     def _execute(self, args: list[Any], sinks: dict[int, Any]) -> None:
@@ -350,7 +218,7 @@ class Connection(asyncio.BufferedProtocol):
             try:
                 spec = self._resolve(server.registry.lookup(args[0]), args)
             except RespError as exc:
-                _abort_sinks(sinks)
+                self._abort_sinks(sinks)
                 self._reply_error(exc)
                 return
         if server.monitors and not spec.flags & _NOT_MONITORED:
@@ -372,7 +240,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         if sinks:
             self.sinks = _NO_SINKS
-            _abort_sinks(sinks)
+            self._abort_sinks(sinks)
         t = type(result)
         if t is bytes or t is Simple or t is int or result is None or t is list:
             encode_reply(result, self._resp3, self._out)
@@ -418,7 +286,7 @@ class Connection(asyncio.BufferedProtocol):
         finally:
             self.sinks = _NO_SINKS
             if sinks:
-                _abort_sinks(sinks)
+                self._abort_sinks(sinks)
         self._busy = False
         self._task = None
         if self._closing:
@@ -488,7 +356,7 @@ class Connection(asyncio.BufferedProtocol):
         transport = self.transport
         if transport is None or self._closing:
             return
-        backlog = self._end - self._start
+        backlog = self._in.backlog
         should_pause = self._write_paused or (self._busy and backlog > HIGH_WATER)
         if should_pause and not self._read_paused:
             self._read_paused = True
@@ -502,10 +370,7 @@ class Connection(asyncio.BufferedProtocol):
         log.debug("protocol error from %s: %s", self.client.addr, exc.message)
         self._out.append(b"-%b\r\n" % exc.reply_line())
         self._close_after = True
-        if self._partial is not None:
-            _abort_sinks(self._partial.sinks)
-            self._partial = None
-        self._direct = None
+        self._abort_sinks(self._in.drop())
         self._flush()
         self._closing = True
 
@@ -542,6 +407,10 @@ class Connection(asyncio.BufferedProtocol):
     def send_simple(self, line: bytes) -> None:
         self.send_push(Simple(line))
 
+    def _abort_sinks(self, sinks: dict[int, Any]) -> None:
+        if sinks:
+            abort_sinks(sinks, lambda exc: log.error("aborting a payload sink failed: %r", exc))
+
     @property
     def idle_seconds(self) -> float:
         return time.monotonic() - self.client.last_interaction
@@ -549,14 +418,6 @@ class Connection(asyncio.BufferedProtocol):
     @property
     def busy(self) -> bool:
         return self._busy
-
-
-def _abort_sinks(sinks: dict[int, Any]) -> None:
-    for sink in sinks.values():
-        try:
-            sink.abort()
-        except Exception:
-            log.exception("aborting a payload sink failed")
 
 
 def _trunc(arg: Any, limit: int = 128) -> str:

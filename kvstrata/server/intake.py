@@ -1,0 +1,206 @@
+"""The receive side of a connection: its buffer, request decoding and in-place large payloads.
+
+:class:`Intake` owns the bytes a client sent and turns them into commands; it does no I/O and
+runs nothing. The connection hands ``get_buffer``/``received`` the transport's callbacks and
+takes decoded commands from the queue it passes to :meth:`Intake.decode`.
+
+A bulk argument of :data:`BIG` bytes or more is received in place: ``sink_for(args, nbytes)``
+(the command's payload sink, e.g. an arena slot for ``KV.PUT``) gives its destination, the bytes
+already buffered are copied there once, and ``get_buffer`` then returns the rest of the
+destination so the kernel writes the payload where it will live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvstrata.protocol import decoder
+from kvstrata.protocol.errors import ProtocolError
+
+BIG = 64 * 1024  # bulk arguments at least this large are received in place
+INITIAL_BUFFER = 256 * 1024
+
+
+class BytesSink:
+    """Default destination of a large bulk: a bytearray that becomes the argument."""
+
+    __slots__ = ("data", "view")
+
+    def __init__(self, nbytes: int) -> None:
+        self.data = bytearray(nbytes)
+        self.view = memoryview(self.data)
+
+    def consume(self) -> bytearray:
+        return self.data
+
+    def abort(self) -> None:
+        pass
+
+
+class WithSinks:
+    """A decoded command whose large arguments landed in sinks (by argument index)."""
+
+    __slots__ = ("args", "need_crlf", "remaining", "sinks")
+
+    def __init__(self, args: list[Any], remaining: int, sinks: dict[int, Any]) -> None:
+        self.args = args
+        self.remaining = remaining
+        self.sinks = sinks
+        self.need_crlf = True
+
+
+def abort_sinks(sinks: dict[int, Any], on_error: Callable[[BaseException], None]) -> None:
+    for sink in sinks.values():
+        try:
+            sink.abort()
+        except Exception as exc:
+            on_error(exc)
+
+
+class Intake:
+    """Receive buffer + decoder state of one connection."""
+
+    def __init__(self, sink_for: Callable[[list[Any], int], Any]) -> None:
+        self._sink_for = sink_for
+        self.buf = bytearray(INITIAL_BUFFER)
+        self._mv = memoryview(self.buf)
+        self.start = 0
+        self.end = 0
+        self.partial: WithSinks | None = None
+        self._direct: memoryview | None = None
+        self._filled = 0
+        #: set when the buffer would grow past the query buffer limit
+        self.overflow = False
+
+    @property
+    def backlog(self) -> int:
+        """Bytes received and not decoded yet."""
+        return self.end - self.start
+
+    @property
+    def receiving_payload(self) -> bool:
+        """A large bulk is being received in place."""
+        return self._direct is not None
+
+    # -- transport side -------------------------------------------------------------------
+    def get_buffer(self, limit: int) -> memoryview:
+        if self._direct is not None:
+            return self._direct[self._filled :]
+        if self.end == len(self.buf):
+            self._make_room(limit)
+        return self._mv[self.end :]
+
+    def received(self, nbytes: int) -> bool:
+        """Account for ``nbytes`` written by the kernel; False while a payload is incomplete."""
+        if self._direct is not None:
+            self._filled += nbytes
+            if self._filled < self._direct.nbytes:
+                return False
+            self._direct = None
+            return True
+        self.end += nbytes
+        return True
+
+    def _make_room(self, limit: int) -> None:
+        pending = self.end - self.start
+        if self.start > 0:
+            data = bytes(self._mv[self.start : self.end])
+            self.buf[:pending] = data
+            self.start, self.end = 0, pending
+            return
+        if len(self.buf) >= limit:
+            # Drop what is buffered (the client is being closed); the connection reports it.
+            self.start = self.end = 0
+            self.overflow = True
+            return
+        bigger = bytearray(len(self.buf) * 2)
+        bigger[:pending] = self._mv[:pending]
+        self._mv.release()
+        self.buf = bigger
+        self._mv = memoryview(bigger)
+
+    # -- decoding -------------------------------------------------------------------------
+    def decode(self, queue: Any, max_bulk: int, max_args: int) -> bool:
+        """Decode buffered commands into ``queue``; False when nothing more can be decoded.
+
+        Commands with sinks are queued as :class:`WithSinks`, others as plain lists."""
+        if self.partial is not None:
+            return self._continue(queue, max_bulk)
+        if self._direct is not None:
+            return False
+        cmds, pos, state = decoder.parse_requests(
+            self.buf, self.start, self.end, BIG, max_bulk, max_args
+        )
+        self.start = pos
+        queue.extend(cmds)
+        if state is None:
+            return bool(cmds)
+        if state == decoder.INLINE:
+            inline, pos = decoder.parse_inlines(self.buf, self.start, self.end)
+            moved = pos != self.start
+            self.start = pos
+            queue.extend(inline)
+            return bool(cmds) or moved
+        self._begin_big(state, {})
+        return True
+
+    def _begin_big(self, state: decoder.BigBulk, sinks: dict[int, Any]) -> None:
+        args = state.args
+        sink = self._sink_for(args, state.length)
+        if sink is None:
+            sink = BytesSink(state.length)
+            args.append(sink.data)
+        else:
+            sinks[len(args)] = sink
+            args.append(sink.view)
+        self.partial = WithSinks(args, state.remaining - 1, sinks)
+        have = min(self.end - state.data_pos, state.length)
+        if have > 0:
+            sink.view[:have] = self._mv[state.data_pos : state.data_pos + have]
+        if have < state.length:
+            self._direct = sink.view.cast("B") if sink.view.format != "B" else sink.view
+            self._filled = have
+            self.start = self.end = 0
+        else:
+            self.start = state.data_pos + state.length
+
+    def _continue(self, queue: Any, max_bulk: int) -> bool:
+        """Finish the command of a large bulk; False when more bytes are needed."""
+        part = self.partial
+        assert part is not None
+        if self._direct is not None:
+            return False
+        if part.need_crlf:
+            if self.end - self.start < 2:
+                return False
+            if self.buf[self.start : self.start + 2] != b"\r\n":
+                raise ProtocolError("expected CRLF after bulk data")
+            self.start += 2
+            part.need_crlf = False
+        if part.remaining:
+            before = len(part.args)
+            pos, state = decoder.parse_args(
+                self.buf, self.start, self.end, part.remaining, BIG, max_bulk, part.args
+            )
+            part.remaining -= len(part.args) - before
+            self.start = pos
+            if state is None:
+                return False
+            if state is not True:
+                self.partial = None
+                state.args = part.args
+                self._begin_big(state, part.sinks)
+                return self._direct is None
+        self.partial = None
+        queue.append(part if part.sinks else part.args)
+        return True
+
+    def drop(self) -> dict[int, Any]:
+        """Forget a half-received command; its sinks are returned for aborting."""
+        part, self.partial, self._direct = self.partial, None, None
+        return part.sinks if part is not None else {}
+
+    def compact(self) -> None:
+        if self.start == self.end and self._direct is None:
+            self.start = self.end = 0
