@@ -80,7 +80,8 @@ def test_large_bulk_stops_scan(parse) -> None:
     wire = encode([[b"PING"], [b"KV.PUT", b"ns", b"h", b"", payload, b"NX"]])
     cmds, pos, state = parse(bytearray(wire), 0, len(wire), BIG, MAX_BULK, MAX_ARGS)
     assert cmds == [[b"PING"]]
-    assert isinstance(state, decoder.BigBulk)
+    assert isinstance(state, tuple)
+    state = decoder.BigBulk(*state)
     assert state.args == [b"KV.PUT", b"ns", b"h", b""]
     assert state.remaining == 2 and state.length == BIG
     assert wire[state.data_pos : state.data_pos + BIG] == payload

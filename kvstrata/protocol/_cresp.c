@@ -4,8 +4,8 @@
  *   state: None (all complete commands consumed, or the next one is incomplete),
  *          1 (an inline command starts at pos),
  *          (args, remaining, length, data_pos) (a bulk of >= big bytes starts at data_pos).
- * Malformed input raises ValueError with the Redis protocol error text (without the
- * "Protocol error: " prefix that the Python wrapper adds).
+ * Malformed input raises the class given to set_error_class (ProtocolError, which adds the
+ * "Protocol error: " prefix) with the Redis protocol error text.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -37,9 +37,17 @@ static int parse_ll(const char *p, const char *e, long long *out) {
     return 0;
 }
 
+static PyObject *error_class = NULL; /* ProtocolError, set by the Python side */
+
 static PyObject *proto_error(const char *msg) {
-    PyErr_SetString(PyExc_ValueError, msg);
+    PyErr_SetString(error_class != NULL ? error_class : PyExc_ValueError, msg);
     return NULL;
+}
+
+static PyObject *set_error_class(PyObject *self, PyObject *cls) {
+    Py_XINCREF(cls);
+    Py_XSETREF(error_class, cls);
+    Py_RETURN_NONE;
 }
 
 static PyObject *parse_requests(PyObject *self, PyObject *args) {
@@ -118,7 +126,8 @@ static PyObject *parse_requests(PyObject *self, PyObject *args) {
 fail:
     PyBuffer_Release(&view);
     /* Commands before a malformed one still run: report the error on the next call. */
-    if (cmds != NULL && PyList_GET_SIZE(cmds) > 0 && PyErr_ExceptionMatches(PyExc_ValueError)) {
+    if (cmds != NULL && PyList_GET_SIZE(cmds) > 0
+        && PyErr_ExceptionMatches(error_class != NULL ? error_class : PyExc_ValueError)) {
         PyErr_Clear();
         return Py_BuildValue("(NnO)", cmds, pos, Py_None);
     }
@@ -128,6 +137,7 @@ fail:
 
 static PyMethodDef methods[] = {
     {"parse_requests", parse_requests, METH_VARARGS, "Scan complete RESP commands."},
+    {"set_error_class", set_error_class, METH_O, "Exception class for malformed input."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,8 +17,7 @@ The scan stops early in two cases that the caller handles in Python:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstrata.protocol.errors import ProtocolError
 
@@ -27,10 +26,10 @@ MAX_HEADER = 64 * 1024  # longest `*N`/`$N` line or inline command, as Redis
 Buf = bytearray | bytes | memoryview
 
 
-@dataclass(slots=True)
-class BigBulk:
+class BigBulk(NamedTuple):
     """A command stopped at a large bulk: ``args`` so far, ``remaining`` arguments including the
-    large one, its ``length``, and ``data_pos``, where its bytes begin in the buffer."""
+    large one, its ``length``, and ``data_pos``, where its bytes begin in the buffer. (The C
+    scanner returns the same four values as a plain tuple.)"""
 
     args: list[Any]
     remaining: int
@@ -91,7 +90,6 @@ def _scan(
         if state is None:
             break
         if state is not True:
-            state.args = args
             return cmds, pos, state
         cmds.append(args)
         pos = good[0] = p
@@ -233,21 +231,8 @@ def _load_fast() -> Any:
         from kvstrata.protocol import _cresp  # type: ignore[attr-defined]
     except ImportError:
         return None
-    fast = _cresp.parse_requests
-
-    def c_parse_requests(
-        buf: Buf, pos: int, end: int, big: int, max_bulk: int, max_args: int
-    ) -> tuple[list[list[bytes]], int, Any]:
-        try:
-            cmds, pos, state = fast(buf, pos, end, big, max_bulk, max_args)
-        except ValueError as exc:
-            raise ProtocolError(str(exc)) from None
-        if type(state) is tuple:
-            args, remaining, length, data_pos = state
-            return cmds, pos, BigBulk(args, remaining, length, data_pos)
-        return cmds, pos, state
-
-    return c_parse_requests
+    _cresp.set_error_class(ProtocolError)
+    return _cresp.parse_requests
 
 
 c_parse_requests = _load_fast()

@@ -43,6 +43,7 @@ HIGH_WATER = 4 * 1024 * 1024  # unexecuted bytes buffered before reading pauses
 JOIN_LIMIT = 64 * 1024  # replies up to this size are joined into one write
 FLUSH_PARTS = 48  # reply buffers gathered before they are handed to the transport
 _NO_SINKS: dict[int, Any] = {}
+_NEVER = float("inf")
 #: as Redis: AUTH/HELLO and admin commands (CONFIG SET requirepass …) are not shown to MONITOR
 _NOT_MONITORED = frozenset({"no_auth", "admin"})
 DENIED = (
@@ -160,7 +161,8 @@ class Connection(asyncio.BufferedProtocol):
     def _process(self) -> None:
         """Decode what is buffered and run it, unless paused or an async command is running."""
         values = self.server.config.values
-        self._slow = self.server.slowlog_threshold
+        micros = values["slowlog-log-slower-than"]
+        self._slow = micros / 1e6 if micros >= 0 else _NEVER
         queue = self._queue
         executed = 0
         try:
@@ -353,6 +355,8 @@ class Connection(asyncio.BufferedProtocol):
                 log.exception("releasing a reply buffer failed")
 
     def _update_reading(self) -> None:
+        if not (self._read_paused or self._write_paused or self._busy):
+            return  # the common case: reading and nothing that could stop it
         transport = self.transport
         if transport is None or self._closing:
             return

@@ -127,7 +127,7 @@ class Intake:
         Commands with sinks are queued as :class:`WithSinks`, others as plain lists."""
         if self.partial is not None:
             return self._continue(queue, max_bulk)
-        if self._direct is not None:
+        if self.start == self.end or self._direct is not None:
             return False
         cmds, pos, state = decoder.parse_requests(
             self.buf, self.start, self.end, BIG, max_bulk, max_args
@@ -145,25 +145,25 @@ class Intake:
         self._begin_big(state, {})
         return True
 
-    def _begin_big(self, state: decoder.BigBulk, sinks: dict[int, Any]) -> None:
-        args = state.args
-        sink = self._sink_for(args, state.length)
+    def _begin_big(self, state: tuple[Any, ...], sinks: dict[int, Any]) -> None:
+        args, remaining, length, data_pos = state  # a BigBulk, or the C scanner's tuple
+        sink = self._sink_for(args, length)
         if sink is None:
-            sink = BytesSink(state.length)
+            sink = BytesSink(length)
             args.append(sink.data)
         else:
             sinks[len(args)] = sink
             args.append(sink.view)
-        self.partial = WithSinks(args, state.remaining - 1, sinks)
-        have = min(self.end - state.data_pos, state.length)
+        self.partial = WithSinks(args, remaining - 1, sinks)
+        have = min(self.end - data_pos, length)
         if have > 0:
-            sink.view[:have] = self._mv[state.data_pos : state.data_pos + have]
-        if have < state.length:
+            sink.view[:have] = self._mv[data_pos : data_pos + have]
+        if have < length:
             self._direct = sink.view.cast("B") if sink.view.format != "B" else sink.view
             self._filled = have
             self.start = self.end = 0
         else:
-            self.start = state.data_pos + state.length
+            self.start = data_pos + length
 
     def _continue(self, queue: Any, max_bulk: int) -> bool:
         """Finish the command of a large bulk; False when more bytes are needed."""
@@ -187,9 +187,8 @@ class Intake:
             self.start = pos
             if state is None:
                 return False
-            if state is not True:
+            if state is not True:  # another large bulk (its args are part.args)
                 self.partial = None
-                state.args = part.args
                 self._begin_big(state, part.sinks)
                 return self._direct is None
         self.partial = None
