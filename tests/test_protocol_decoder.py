@@ -165,3 +165,27 @@ def test_inline_needs_newline() -> None:
     buf += b"\r\nECHO x\n"
     args, pos = decoder.parse_inline(buf, 0, len(buf))
     assert args == [b"PING"] and decoder.parse_inline(buf, pos, len(buf))[0] == [b"ECHO", b"x"]
+
+
+@pytest.mark.parametrize("parse", PARSERS)
+def test_plain_inline_commands_are_scanned(parse) -> None:
+    wire = bytearray(b"PING\r\n  set a  b\r\n\r\n*1\r\n$4\r\nPING\r\nECHO 'x y'\r\n")
+    cmds, pos, state = parse(wire, 0, len(wire), BIG, MAX_BULK, MAX_ARGS)
+    assert cmds == [[b"PING"], [b"set", b"a", b"b"], [b"PING"]]
+    assert state == decoder.INLINE and wire[pos:].startswith(b"ECHO 'x y'")
+
+
+@pytest.mark.parametrize("parse", PARSERS)
+def test_inline_every_split(parse) -> None:
+    wire = b"PING\r\nECHO hello\n*2\r\n$4\r\nECHO\r\n$1\r\nz\r\nSET k 'v w'\r\nDBSIZE\r\n"
+    expected = [[b"PING"], [b"ECHO", b"hello"], [b"ECHO", b"z"], [b"SET", b"k", b"v w"],
+                [b"DBSIZE"]]  # fmt: skip
+    for cut in range(len(wire) + 1):
+        assert drain(parse, wire, [cut]) == expected, cut
+
+
+@pytest.mark.parametrize("parse", PARSERS)
+def test_inline_line_without_newline_is_bounded(parse) -> None:
+    wire = bytearray(b"P" * (decoder.MAX_HEADER + 10))
+    with pytest.raises(ProtocolError, match="too big inline request"):
+        parse(wire, 0, len(wire), BIG, MAX_BULK, MAX_ARGS)

@@ -2,7 +2,7 @@
  *
  * parse_requests(buf, pos, end, big, max_bulk, max_args) -> (cmds, pos, state)
  *   state: None (all complete commands consumed, or the next one is incomplete),
- *          1 (an inline command starts at pos),
+ *          1 (an inline command with quotes starts at pos: the Python side decodes it),
  *          (args, remaining, length, data_pos) (a bulk of >= big bytes starts at data_pos).
  * Malformed input raises the class given to set_error_class (ProtocolError, which adds the
  * "Protocol error: " prefix) with the Redis protocol error text.
@@ -50,6 +50,43 @@ static PyObject *set_error_class(PyObject *self, PyObject *cls) {
     Py_RETURN_NONE;
 }
 
+static int is_space(char c) {
+    return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == '\v' || c == '\f';
+}
+
+/* An inline command at p: 1 decoded (appended unless blank, *pos advanced), 0 incomplete,
+ * 2 has quotes (left to the Python decoder), -1 error. */
+static int scan_inline(const char *p, const char *stop, PyObject *cmds, Py_ssize_t *pos,
+                       const char *base) {
+    const char *nl = memchr(p, '\n', (size_t)(stop - p));
+    if (nl == NULL) {
+        if (stop - p > MAX_HEADER) { proto_error("too big inline request"); return -1; }
+        return 0;
+    }
+    if (memchr(p, '"', (size_t)(nl - p)) || memchr(p, '\'', (size_t)(nl - p))) return 2;
+    PyObject *argv = PyList_New(0);
+    if (argv == NULL) return -1;
+    const char *q = p;
+    while (q < nl) {
+        while (q < nl && is_space(*q)) q++;
+        const char *w = q;
+        while (q < nl && !is_space(*q)) q++;
+        if (q > w) {
+            PyObject *arg = PyBytes_FromStringAndSize(w, q - w);
+            if (arg == NULL || PyList_Append(argv, arg) != 0) {
+                Py_XDECREF(arg); Py_DECREF(argv); return -1;
+            }
+            Py_DECREF(arg);
+        }
+    }
+    if (PyList_GET_SIZE(argv) > 0 && PyList_Append(cmds, argv) != 0) {
+        Py_DECREF(argv); return -1;
+    }
+    Py_DECREF(argv);
+    *pos = (nl + 1) - base;
+    return 1;
+}
+
 static PyObject *parse_requests(PyObject *self, PyObject *args) {
     Py_buffer view;
     Py_ssize_t pos, end, big, max_bulk, max_args;
@@ -62,7 +99,13 @@ static PyObject *parse_requests(PyObject *self, PyObject *args) {
     if (cmds == NULL) goto fail;
     while (pos < end) {
         const char *p = base + pos, *stop = base + end;
-        if (*p != '*') { state = PyLong_FromLong(1); break; }
+        if (*p != '*') {
+            int r = scan_inline(p, stop, cmds, &pos, base);
+            if (r < 0) goto fail;
+            if (r == 0) break;          /* incomplete line */
+            if (r == 2) { state = PyLong_FromLong(1); break; }  /* quoted: Python decodes it */
+            continue;
+        }
         const char *nl = find_crlf(p, stop);
         if (nl == NULL) {
             if (end - pos > MAX_HEADER) { proto_error("too big mbulk count string"); goto fail; }

@@ -8,8 +8,9 @@ Python one. :data:`parse_requests` is the fastest available.
 
 The scan stops early in two cases that the caller handles in Python:
 
-- :data:`INLINE`: the next command is an inline command (``PING\\r\\n`` typed by hand);
-  :func:`parse_inline` decodes it.
+- :data:`INLINE`: the next command is an inline command with quotes (``SET k "a b"``);
+  :func:`parse_inline` decodes it. Plain inline commands (``PING\\r\\n`` typed by hand,
+  redis-benchmark's ``*_INLINE`` tests) are decoded by the scanner itself.
 - :class:`BigBulk`: the next command has a bulk argument of at least ``big`` bytes. The caller
   chooses where those bytes land (an arena slot for ``KV.PUT``) so a payload is copied once,
   then continues with :func:`parse_args`.
@@ -72,8 +73,20 @@ def _scan(
 ) -> tuple[list[list[bytes]], int, Any]:
     find = buf.find  # type: ignore[union-attr]
     while pos < end:
-        if buf[pos] != 0x2A:  # '*'
-            return cmds, pos, INLINE
+        if buf[pos] != 0x2A:  # '*': an inline command
+            nl = find(b"\n", pos, end)
+            if nl < 0:
+                if end - pos > MAX_HEADER:
+                    raise ProtocolError("too big inline request")
+                break
+            line = bytes(buf[pos:nl])
+            if b'"' in line or b"'" in line:
+                return cmds, pos, INLINE  # quoting rules: parse_inline
+            words = line.split()
+            if words:
+                cmds.append(words)
+            pos = good[0] = nl + 1
+            continue
         nl = find(b"\r\n", pos, end)
         if nl < 0:
             if end - pos > MAX_HEADER:
