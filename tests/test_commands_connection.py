@@ -6,7 +6,7 @@ import pytest
 
 import kvstrata
 from kvstrata.protocol.frames import OK, Simple, Verbatim
-from kvstrata.server.commands.connection import parse_int, unknown_subcommand
+from kvstrata.server.commands._args import parse_int, unknown_subcommand
 from tests.fakectx import FakeServer, err
 
 WRONGPASS = "WRONGPASS invalid username-password pair or user is disabled."

@@ -1,18 +1,13 @@
-"""Connection commands: PING ECHO HELLO AUTH SELECT QUIT RESET and CLIENT.
+"""Connection commands: PING ECHO HELLO AUTH SELECT QUIT RESET (CLIENT is in ``client``).
 
 Semantics and error wording follow Redis 7 so that redis-cli and redis-py work unchanged.
 There is one user, ``default``, whose password is ``requirepass`` (none when empty); there is
-one database, 0. This module also holds the small argument helpers the other standard command
-modules share (:func:`parse_int`, :func:`arg_bytes`, :func:`help_reply`) and
-:func:`unknown_subcommand` for the dispatcher.
+one database, 0.
 """
 
 from __future__ import annotations
 
 import hmac
-import re
-import time
-from typing import Any
 
 import kvstrata
 from kvstrata.protocol.errors import (
@@ -20,58 +15,19 @@ from kvstrata.protocol.errors import (
     NoAuthError,
     NoProtoError,
     WrongPassError,
-    not_integer,
     syntax_error,
 )
-from kvstrata.protocol.frames import OK, PONG, Simple, Verbatim
+from kvstrata.protocol.frames import OK, PONG, Simple
+
+# arg_bytes, parse_int and unknown_subcommand are also imported from here by modules written
+# before _args existed (kv*.py, tests/fakectx.py).
+from kvstrata.server.commands._args import REDACTED, arg_bytes, arg_text, arg_upper, parse_int
+from kvstrata.server.commands._args import unknown_subcommand as unknown_subcommand
+from kvstrata.server.commands.client import client_name
 from kvstrata.server.context import Ctx
-from kvstrata.server.registry import Arg, Args, Reply, command, container
+from kvstrata.server.registry import Arg, Args, Reply, command
 
 REDIS_COMPAT_VERSION = "7.2.0"
-REDACTED = b"(redacted)"
-_INT_RE = re.compile(rb"0|-?[1-9][0-9]{0,18}")
-_INT64 = (-(2**63), 2**63 - 1)
-
-
-# -- argument helpers shared by the standard command modules ------------------------------
-def arg_bytes(arg: Any) -> bytes:
-    """An argument as immutable bytes (keys, names, small values)."""
-    return arg if type(arg) is bytes else bytes(arg)
-
-
-def arg_upper(arg: Any) -> bytes:
-    return arg_bytes(arg).upper()
-
-
-def arg_text(arg: Any) -> str:
-    return arg_bytes(arg).decode("utf-8", "replace")
-
-
-def parse_int(arg: Any, error: CommandError | None = None) -> int:
-    """A signed 64-bit integer written as Redis's ``string2ll`` accepts it."""
-    data = arg_bytes(arg)
-    if _INT_RE.fullmatch(data):
-        value = int(data)
-        if _INT64[0] <= value <= _INT64[1]:
-            return value
-    raise error if error is not None else not_integer()
-
-
-def unknown_subcommand(container: str, sub: Any) -> CommandError:
-    """``ERR unknown subcommand 'x'. Try CLIENT HELP.`` (used by the dispatcher)."""
-    name = arg_text(sub)[:128]
-    return CommandError(f"unknown subcommand '{name}'. Try {container.upper()} HELP.")
-
-
-def help_reply(container: str, lines: list[str]) -> list[Simple]:
-    """The reply of ``X HELP``: simple strings, as Redis's ``addReplyHelp``."""
-    head = f"{container} <subcommand> [<arg> [value] [opt] ...]. Subcommands are:"
-    tail = ["HELP", "    Print this help."]
-    return [Simple(line.encode()) for line in [head, *lines, *tail]]
-
-
-def _valid_name(name: bytes) -> bool:
-    return all(0x21 <= b <= 0x7E for b in name)
 
 
 # -- PING ECHO SELECT QUIT -------------------------------------------------------------------
@@ -195,11 +151,7 @@ def _parse_hello(args: Args) -> tuple[int | None, tuple[bytes, bytes] | None, by
             args[i + 1] = args[i + 2] = REDACTED
             i += 3
         elif opt == b"SETNAME" and more >= 1:
-            name = arg_bytes(args[i + 1])
-            if not _valid_name(name):
-                raise CommandError(
-                    "Client names cannot contain spaces, newlines or special characters."
-                )
+            name = client_name(args[i + 1])
             i += 2
         else:
             raise CommandError(f"Syntax error in HELLO option '{arg_text(args[i])}'")
@@ -280,314 +232,3 @@ def reset(ctx: Ctx, args: Args) -> Reply:
     ctx.set_protocol(2)
     client.protocol = 2
     return Simple(b"RESET")
-
-
-# -- CLIENT ------------------------------------------------------------------------------------
-container("CLIENT", group="connection", summary="A container for client connection commands.")
-_CLIENT_FLAGS = "noscript loading stale"
-_CLIENT_TYPES = {b"normal", b"master", b"slave", b"replica", b"pubsub"}
-
-
-@command(
-    "CLIENT|ID",
-    2,
-    _CLIENT_FLAGS,
-    group="connection",
-    summary="Returns the unique client ID of the connection.",
-    reply="Integer: the id.",
-)
-def client_id(ctx: Ctx, args: Args) -> Reply:
-    return ctx.client.id
-
-
-@command(
-    "CLIENT|SETNAME",
-    3,
-    _CLIENT_FLAGS,
-    group="connection",
-    summary="Sets the connection name (empty removes it).",
-    arguments=(Arg("connection-name", "string"),),
-    reply="Simple string OK.",
-)
-def client_setname(ctx: Ctx, args: Args) -> Reply:
-    name = arg_bytes(args[2])
-    if not _valid_name(name):
-        raise CommandError("Client names cannot contain spaces, newlines or special characters.")
-    ctx.client.name = name
-    return OK
-
-
-@command(
-    "CLIENT|GETNAME",
-    2,
-    _CLIENT_FLAGS,
-    group="connection",
-    summary="Returns the name of the connection.",
-    reply="Bulk string: the name, or null when none is set.",
-)
-def client_getname(ctx: Ctx, args: Args) -> Reply:
-    return ctx.client.name or None
-
-
-@command(
-    "CLIENT|SETINFO",
-    4,
-    _CLIENT_FLAGS,
-    group="connection",
-    summary="Sets information about the client library (LIB-NAME, LIB-VER).",
-    arguments=(
-        Arg(
-            "attr",
-            "oneof",
-            arguments=(
-                Arg("libname", "string", token="LIB-NAME"),
-                Arg("libver", "string", token="LIB-VER"),
-            ),
-        ),
-    ),
-    reply="Simple string OK.",
-)
-def client_setinfo(ctx: Ctx, args: Args) -> Reply:
-    attr, value = arg_upper(args[2]), arg_bytes(args[3])
-    if attr not in (b"LIB-NAME", b"LIB-VER"):
-        raise CommandError(f"Unrecognized option '{arg_text(args[2])}'")
-    if not _valid_name(value):
-        raise CommandError(
-            f"{arg_text(args[2])} cannot contain spaces, newlines or special characters."
-        )
-    if attr == b"LIB-NAME":
-        ctx.client.lib_name = value
-    else:
-        ctx.client.lib_ver = value
-    return OK
-
-
-def _on_off(ctx: Ctx, args: Args, flag: str) -> Reply:
-    mode = arg_upper(args[2])
-    if mode == b"ON":
-        ctx.client.flags.add(flag)
-    elif mode == b"OFF":
-        ctx.client.flags.discard(flag)
-    else:
-        raise syntax_error()
-    return OK
-
-
-_ON_OFF = (
-    Arg(
-        "enabled",
-        "oneof",
-        arguments=(Arg("on", "pure-token", token="ON"), Arg("off", "pure-token", token="OFF")),
-    ),
-)
-
-
-@command(
-    "CLIENT|NO-EVICT",
-    3,
-    _CLIENT_FLAGS,
-    group="connection",
-    summary="Sets the client eviction mode (accepted for compatibility; flag only).",
-    arguments=_ON_OFF,
-    reply="Simple string OK.",
-)
-def client_no_evict(ctx: Ctx, args: Args) -> Reply:
-    return _on_off(ctx, args, "e")
-
-
-@command(
-    "CLIENT|NO-TOUCH",
-    3,
-    _CLIENT_FLAGS,
-    group="connection",
-    summary="Controls whether commands sent by the client alter the LRU (flag only).",
-    arguments=_ON_OFF,
-    reply="Simple string OK.",
-)
-def client_no_touch(ctx: Ctx, args: Args) -> Reply:
-    return _on_off(ctx, args, "T")
-
-
-@command(
-    "CLIENT|INFO",
-    2,
-    _CLIENT_FLAGS,
-    group="connection",
-    summary="Returns information about the connection.",
-    reply="Verbatim string: one CLIENT LIST line.",
-)
-def client_info(ctx: Ctx, args: Args) -> Reply:
-    return Verbatim((ctx.client.describe() + "\n").encode())
-
-
-@command(
-    "CLIENT|LIST",
-    -2,
-    "admin " + _CLIENT_FLAGS,
-    group="connection",
-    summary="Lists open connections.",
-    complexity="O(N) where N is the number of client connections",
-    arguments=(
-        Arg("client-type", "string", token="TYPE"),
-        Arg("client-id", "integer", optional=True, multiple=True, token="ID"),
-    ),
-    reply="Verbatim string: one line per connection.",
-)
-def client_list(ctx: Ctx, args: Args) -> Reply:
-    ids: set[int] | None = None
-    if len(args) == 4 and arg_upper(args[2]) == b"TYPE":
-        kind = arg_bytes(args[3]).lower()
-        if kind not in _CLIENT_TYPES:
-            raise CommandError(f"Unknown client type '{arg_text(args[3])}'")
-        if kind != b"normal":
-            return Verbatim(b"")
-    elif len(args) > 3 and arg_upper(args[2]) == b"ID":
-        ids = {_client_id_arg(a, "Invalid client ID") for a in args[3:]}
-    elif len(args) != 2:
-        raise syntax_error()
-    now = time.monotonic()
-    lines = [
-        conn.client.describe(now) + "\n"
-        for conn in list(ctx.server.clients.values())
-        if ids is None or conn.client.id in ids
-    ]
-    return Verbatim("".join(lines).encode())
-
-
-def _client_id_arg(arg: Any, message: str) -> int:
-    value = parse_int(arg, CommandError(message))
-    if value < 1:
-        raise CommandError(message)
-    return value
-
-
-def _kill_filters(args: Args) -> dict[str, Any]:
-    """Parse the new form ``CLIENT KILL <filter> <value> ...``."""
-    filters: dict[str, Any] = {"skipme": True}
-    i = 2
-    while i < len(args):
-        opt = arg_upper(args[i])
-        if i + 1 >= len(args):
-            raise syntax_error()
-        value = args[i + 1]
-        if opt == b"ID":
-            filters["id"] = _client_id_arg(value, "client-id should be greater than 0")
-        elif opt == b"TYPE":
-            kind = arg_bytes(value).lower()
-            if kind not in _CLIENT_TYPES:
-                raise CommandError(f"Unknown client type '{arg_text(value)}'")
-            filters["type"] = kind
-        elif opt in (b"ADDR", b"LADDR"):
-            filters[opt.decode().lower()] = arg_text(value)
-        elif opt == b"USER":
-            if arg_bytes(value) != b"default":
-                raise CommandError(f"No such user '{arg_text(value)}'")
-        elif opt == b"SKIPME":
-            answer = arg_upper(value)
-            if answer not in (b"YES", b"NO"):
-                raise syntax_error()
-            filters["skipme"] = answer == b"YES"
-        else:
-            raise syntax_error()
-        i += 2
-    return filters
-
-
-def _kill_matching(ctx: Ctx, filters: dict[str, Any]) -> int:
-    killed = 0
-    for conn in list(ctx.server.clients.values()):
-        state = conn.client
-        if "id" in filters and state.id != filters["id"]:
-            continue
-        if filters.get("type", b"normal") != b"normal":
-            continue
-        if "addr" in filters and state.addr != filters["addr"]:
-            continue
-        if "laddr" in filters and state.laddr != filters["laddr"]:
-            continue
-        if state is ctx.client:
-            if filters["skipme"]:
-                continue
-            ctx.close_after_reply()
-        else:
-            conn.kill()
-        killed += 1
-    return killed
-
-
-@command(
-    "CLIENT|KILL",
-    -3,
-    "admin " + _CLIENT_FLAGS,
-    group="connection",
-    summary="Terminates open connections: `CLIENT KILL ip:port`, or filters ID, ADDR, LADDR, "
-    "TYPE, USER, SKIPME.",
-    complexity="O(N) where N is the number of client connections",
-    arguments=(
-        Arg(
-            "filter",
-            "oneof",
-            arguments=(
-                Arg("ip:port", "string"),
-                Arg(
-                    "new-format",
-                    "oneof",
-                    multiple=True,
-                    arguments=(
-                        Arg("client-id", "integer", token="ID"),
-                        Arg("client-type", "string", token="TYPE"),
-                        Arg("username", "string", token="USER"),
-                        Arg("ip:port", "string", token="ADDR"),
-                        Arg("ip:port", "string", token="LADDR"),
-                        Arg("yes/no", "string", token="SKIPME"),
-                    ),
-                ),
-            ),
-        ),
-    ),
-    reply="Old form: simple string OK. New form: integer, the number of clients killed.",
-)
-def client_kill(ctx: Ctx, args: Args) -> Reply:
-    if len(args) == 3:
-        if _kill_matching(ctx, {"addr": arg_text(args[2]), "skipme": False}) == 0:
-            raise CommandError("No such client")
-        return OK
-    return _kill_matching(ctx, _kill_filters(args))
-
-
-@command(
-    "CLIENT|HELP",
-    2,
-    "loading stale",
-    group="connection",
-    summary="Returns helpful text about the different subcommands.",
-    reply="Array of simple strings.",
-)
-def client_help(ctx: Ctx, args: Args) -> Reply:
-    return help_reply(
-        "CLIENT",
-        [
-            "GETNAME",
-            "    Return the name of the current connection.",
-            "ID",
-            "    Return the ID of the current connection.",
-            "INFO",
-            "    Return information about the current client connection.",
-            "KILL <ip:port>",
-            "    Kill connection made from <ip:port>.",
-            "KILL <option> <value> [<option> <value> [...]]",
-            "    Kill connections. Options are: ID <client-id>, TYPE normal, USER default,",
-            "    ADDR <ip:port>, LADDR <ip:port>, SKIPME (YES|NO).",
-            "LIST [options ...]",
-            "    Return information about client connections. Options: TYPE normal,",
-            "    ID <client-id> [<client-id> ...].",
-            "NO-EVICT (ON|OFF)",
-            "    Protect current client connection from eviction (flag only).",
-            "NO-TOUCH (ON|OFF)",
-            "    Will not touch LRU/LFU stats when this mode is on (flag only).",
-            "SETINFO <option> <value>",
-            "    Set client meta attr. Options are: LIB-NAME, LIB-VER.",
-            "SETNAME <name>",
-            "    Assign the name <name> to the current connection.",
-        ],
-    )

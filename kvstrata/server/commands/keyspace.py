@@ -10,14 +10,21 @@ from __future__ import annotations
 
 from kvstrata.protocol.errors import CommandError, syntax_error
 from kvstrata.protocol.frames import OK, Simple
-from kvstrata.server.commands.connection import arg_bytes, arg_upper, help_reply, parse_int
+from kvstrata.server.commands._args import (
+    INT64_MAX,
+    arg_bytes,
+    arg_text,
+    arg_upper,
+    help_command,
+    option_pairs,
+    parse_int,
+)
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command, container
 from kvstrata.store.keyspace import now_ms
 
 _KEY = Arg("key", "key")
 _KEYS = Arg("key", "key", multiple=True)
-_INT64_MAX = 2**63 - 1
 
 
 @command(
@@ -45,22 +52,17 @@ def scan(ctx: Ctx, args: Args) -> Reply:
     match: bytes | None = None
     type_name: str | None = None
     count = 10
-    i = 2
-    while i < len(args):
-        opt = arg_upper(args[i])
-        if i + 1 >= len(args):
-            raise syntax_error()
+    for opt, value in option_pairs(args, 2):
         if opt == b"COUNT":
-            count = parse_int(args[i + 1])
+            count = parse_int(value)
             if count < 1:
                 raise syntax_error()
         elif opt == b"MATCH":
-            match = arg_bytes(args[i + 1])
+            match = arg_bytes(value)
         elif opt == b"TYPE":
-            type_name = arg_bytes(args[i + 1]).decode("utf-8", "replace").lower()
+            type_name = arg_text(value).lower()
         else:
             raise syntax_error()
-        i += 2
     next_cursor, keys = ctx.server.keyspace.scan(cursor, count, match, type_name)
     return [str(next_cursor).encode(), keys]
 
@@ -188,7 +190,7 @@ def _expire_flags(args: Args) -> set[bytes]:
     for arg in args[3:]:
         opt = arg_upper(arg)
         if opt not in (b"NX", b"XX", b"GT", b"LT"):
-            raise CommandError(f"Unsupported option {arg_bytes(arg).decode('utf-8', 'replace')}")
+            raise CommandError(f"Unsupported option {arg_text(arg)}")
         flags.add(opt)
     if b"NX" in flags and len(flags) > 1:
         raise CommandError("NX and XX, GT or LT options at the same time are not compatible")
@@ -212,7 +214,7 @@ def _expire(ctx: Ctx, args: Args, unit_ms: int, name: str) -> int:
     amount = parse_int(args[2])
     base = now_ms()
     at = amount * unit_ms + base
-    if not -_INT64_MAX <= amount * unit_ms <= _INT64_MAX or not -_INT64_MAX <= at <= _INT64_MAX:
+    if not -INT64_MAX <= amount * unit_ms <= INT64_MAX or not -INT64_MAX <= at <= INT64_MAX:
         raise CommandError(f"invalid expire time in '{name}' command")
     ks = ctx.server.keyspace
     key = arg_bytes(args[1])
@@ -347,19 +349,11 @@ def memory_usage(ctx: Ctx, args: Args) -> Reply:
     return None if entry is None else entry.memory_usage() + len(key)
 
 
-@command(
-    "MEMORY|HELP",
-    2,
-    "loading stale",
+help_command(
+    "MEMORY",
+    [
+        "USAGE <key> [SAMPLES <count>]",
+        "    Return memory in bytes used by <key> and its value.",
+    ],
     group="server",
-    summary="Returns helpful text about the different subcommands.",
-    reply="Array of simple strings.",
 )
-def memory_help(ctx: Ctx, args: Args) -> Reply:
-    return help_reply(
-        "MEMORY",
-        [
-            "USAGE <key> [SAMPLES <count>]",
-            "    Return memory in bytes used by <key> and its value.",
-        ],
-    )

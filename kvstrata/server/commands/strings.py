@@ -13,12 +13,10 @@ from typing import Any
 
 from kvstrata.protocol.errors import CommandError, WrongTypeError, syntax_error
 from kvstrata.protocol.frames import OK
-from kvstrata.server.commands.connection import arg_bytes, arg_upper, parse_int
+from kvstrata.server.commands._args import INT64_MAX, arg_bytes, arg_upper, parse_int
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.keyspace import Entry, StringEntry, now_ms
-
-_INT64_MAX = 2**63 - 1
 
 
 def wrong_type() -> WrongTypeError:
@@ -63,12 +61,12 @@ _EXPIRY_UNITS = {b"EX": (1000, True), b"PX": (1, True), b"EXAT": (1000, False),
 
 def _expire_ms(raw: Any, unit_ms: int, relative: bool) -> int:
     value = parse_int(raw)
-    if value <= 0 or value > _INT64_MAX // unit_ms:
+    if value <= 0 or value > INT64_MAX // unit_ms:
         raise CommandError("invalid expire time in 'set' command")
     value *= unit_ms
     if relative:
         base = now_ms()
-        if value > _INT64_MAX - base:
+        if value > INT64_MAX - base:
             raise CommandError("invalid expire time in 'set' command")
         value += base
     return value
