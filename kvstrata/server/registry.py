@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.protocol.frames import Simple
+
 Args = list[Any]  # bytes | bytearray | memoryview
 Reply = Any
 Handler = Callable[..., Any]
@@ -47,7 +49,7 @@ class Arg:
             out["token"] = self.token
         flags = [f for f, on in (("optional", self.optional), ("multiple", self.multiple)) if on]
         if flags:
-            out["flags"] = set(flags)
+            out["flags"] = {Simple(f.encode()) for f in flags}
         if self.arguments:
             out["arguments"] = [a.docs() for a in self.arguments]
         return out
@@ -98,11 +100,11 @@ class CommandSpec:
         return [
             self.wire_name,
             self.arity,
-            {f for f in self.flags},
+            {Simple(f.encode()) for f in self.flags},
             self.first_key,
             self.last_key,
             self.key_step,
-            [f"@{self.group}"],
+            {Simple(f"@{self.group}".encode())},
             [],
             [],
             [s.info() for s in self.subcommands.values()],

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstrata.protocol.errors import CommandError, syntax_error
-from kvstrata.protocol.frames import OK, Simple
+from kvstrata.protocol.frames import OK
 from kvstrata.server.commands._args import arg_bytes, arg_upper, help_command, parse_int
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, CommandSpec, CommandTable, Reply, command, container
@@ -27,30 +27,6 @@ def find_spec(table: CommandTable, name: Any) -> CommandSpec | None:
     return spec
 
 
-def _status_set(values: Any) -> set[Simple]:
-    return {v if isinstance(v, Simple) else Simple(str(v).encode()) for v in values}
-
-
-def _wire_docs(docs: dict[str, Any]) -> dict[str, Any]:
-    """Docs with flag sets as simple strings, as Redis sends them (redis-cli asserts it)."""
-    out = dict(docs)
-    if "flags" in out:
-        out["flags"] = _status_set(out["flags"])
-    if "arguments" in out:
-        out["arguments"] = [_wire_docs(a) for a in out["arguments"]]
-    if "subcommands" in out:
-        out["subcommands"] = {k: _wire_docs(v) for k, v in out["subcommands"].items()}
-    return out
-
-
-def _wire_info(info: list[Any]) -> list[Any]:
-    """A COMMAND INFO entry with its flags as simple strings, as Redis sends them."""
-    out = list(info)
-    out[2] = _status_set(out[2])
-    out[9] = [_wire_info(sub) for sub in out[9]]
-    return out
-
-
 @command(
     "COMMAND",
     -1,
@@ -61,7 +37,7 @@ def _wire_info(info: list[Any]) -> list[Any]:
     reply="Array of COMMAND INFO entries.",
 )
 def command_(ctx: Ctx, args: Args) -> Reply:
-    return [_wire_info(spec.info()) for spec in ctx.server.registry]
+    return [spec.info() for spec in ctx.server.registry]
 
 
 @command(
@@ -89,8 +65,8 @@ def command_count(ctx: Ctx, args: Args) -> Reply:
 def command_info(ctx: Ctx, args: Args) -> Reply:
     table = ctx.server.registry
     if len(args) == 2:
-        return [_wire_info(spec.info()) for spec in table]
-    return [None if (s := find_spec(table, a)) is None else _wire_info(s.info()) for a in args[2:]]
+        return [spec.info() for spec in table]
+    return [None if (s := find_spec(table, a)) is None else s.info() for a in args[2:]]
 
 
 @command(
@@ -106,12 +82,12 @@ def command_info(ctx: Ctx, args: Args) -> Reply:
 def command_docs(ctx: Ctx, args: Args) -> Reply:
     table = ctx.server.registry
     if len(args) == 2:
-        return {spec.wire_name: _wire_docs(spec.docs()) for spec in table}
+        return {spec.wire_name: spec.docs() for spec in table}
     out: dict[str, Any] = {}
     for name in args[2:]:
         spec = find_spec(table, name)
         if spec is not None:
-            out[spec.wire_name] = _wire_docs(spec.docs())
+            out[spec.wire_name] = spec.docs()
     return out
 
 
