@@ -199,6 +199,11 @@ OPTIONS: tuple[Option, ...] = (
     _opt("s3-timeout", 10.0, float, "Seconds per S3 request before it counts as failed."),
     _opt("gpu-device", 0, _int(0, 64), "CUDA device of the GPU tier."),
     _opt("gpu-capacity", 0, parse_size, "GPU pool size (0 disables the GPU tier).", **_SIZE),
+    _opt("gpu-high-watermark", 0.95, _ratio, "Demote from the GPU pool to DRAM above this fill "
+         "ratio.", mutable=True),
+    _opt("gpu-low-watermark", 0.85, _ratio, "…down to this fill ratio.", mutable=True),
+    _opt("gpu-copy-threads", 2, _int(1, 64),
+         "Concurrent host<->GPU copies (one CUDA stream each)."),
     _opt("prefetch-queue", 1024, _int(1, 10**6), "Most queued prefetch requests."),
     _opt("prefetch-concurrency", 4, _int(1, 256), "Chunks promoted at once by prefetch."),
     _opt("prefetch-bandwidth", 0, parse_size, "Prefetch byte budget per second (0 = no cap).",
@@ -263,7 +268,7 @@ def _parse(opt: Option, raw: Any) -> Any:
 
 
 def _check(values: Mapping[str, Any]) -> None:
-    for tier in ("dram", "nvme"):
+    for tier in ("gpu", "dram", "nvme"):
         lo, hi = values[f"{tier}-low-watermark"], values[f"{tier}-high-watermark"]
         if lo > hi:
             raise ConfigError(

@@ -182,16 +182,10 @@ def test_store_refuses_to_start_without_cuda(modules: dict[str, Any], tmp_path: 
     )  # fmt: skip
 
     async def body() -> None:
-        try:
-            store = await KVStore.from_config(cfg, Keyspace())
-        except TierUnavailable as exc:
-            assert "gpu-capacity is 8GiB but CUDA is not available" in str(exc)
-            assert str(exc).endswith("set --gpu-capacity 0")
-            return
-        names = [t.name for t in store.tiers]
-        await store.close()
-        assert "gpu" not in names
-        pytest.skip("KVStore.from_config does not build the gpu tier yet (issue 7 wiring)")
+        with pytest.raises(TierUnavailable) as info:
+            await KVStore.from_config(cfg, Keyspace())
+        assert "gpu-capacity is 8GiB but CUDA is not available" in str(info.value)
+        assert str(info.value).endswith("set --gpu-capacity 0")
 
     asyncio.run(body())
 

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,7 @@ def case(request: pytest.FixtureRequest) -> TierCase:
     return param
 
 
-def run(body: Callable[[], Awaitable[None]]) -> None:
+def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(body())
 
 
@@ -377,7 +377,7 @@ def test_client_refuses_cuda_regions_without_cuda() -> None:
     asyncio.run(tier.close())
 
 
-# -- store: leases and expiry (runs once the store leases from the gpu tier) ------------------
+# -- store: leases and expiry ------------------------------------------------------------------
 
 
 def _store_lease_expiry(make: Callable[[], GpuTier]) -> None:
@@ -389,10 +389,8 @@ def _store_lease_expiry(make: Callable[[], GpuTier]) -> None:
         async with open_store([gpu, make_dram(4 * MiB)]) as store:
             data = payload(64 * 1024, 3)
             await store.put("gpu@test", b"h0", b"", data)
-            lease = await store.lease("gpu@test", [b"h0"], ttl_ms=30)
-            assert lease is not None
-            if lease.handles[0].region != gpu.region_name:
-                pytest.skip("the store does not lease from the gpu tier yet (issue 7 wiring)")
+            lease = await store.lease("gpu@test", [b"h0"], ttl_ms=30)  # default tier: gpu
+            assert lease is not None and lease.handles[0].region == gpu.region_name
             assert gpu.used > base
             await store.delete("gpu@test", b"h0")  # pinned by the lease: freed at expiry
             for _ in range(100):

@@ -21,6 +21,7 @@ from kvstrata.clients import commands as cmd
 from kvstrata.clients.aioconn import AsyncConnectionPool
 from kvstrata.clients.commands import Call, HashLike, Payload
 from kvstrata.clients.connection import ConnectionSettings
+from kvstrata.clients.handles import lease_tier
 from kvstrata.clients.leases import LeaseBase, WriteLeaseBase
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.results import LeaseId, MatchResult, RegionInfo, TokenMatch
@@ -193,9 +194,14 @@ class AsyncClient:
         return self._regions
 
     async def lease(
-        self, ns: str, hashes: Sequence[HashLike], ttl_ms: int | None = None
+        self,
+        ns: str,
+        hashes: Sequence[HashLike],
+        ttl_ms: int | None = None,
+        tier: str | None = None,
     ) -> AsyncLease | None:
-        grant = await self._run(cmd.lease(ns, hashes, ttl_ms))
+        """Pin chunks for zero-copy reads (see :meth:`kvstrata.clients.Client.lease`)."""
+        grant = await self._run(cmd.lease(ns, hashes, ttl_ms, lease_tier(tier)))
         if grant is None:
             return None
         regions = await self._regions_for({h.region for h in grant.handles})
@@ -209,8 +215,9 @@ class AsyncClient:
         nbytes: int,
         tokens: int = 0,
         ttl_ms: int | None = None,
+        tier: str | None = None,
     ) -> AsyncWriteLease:
-        grant = await self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms))
+        grant = await self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms, tier))
         regions = await self._regions_for({grant.handle.region})
         return AsyncWriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
 

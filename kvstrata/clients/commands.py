@@ -126,10 +126,17 @@ def _token_match(reply: Any) -> TokenMatch:
     return TokenMatch(as_int(tokens), as_int(chunks), tuple(bytes(h) for h in hashes))
 
 
+def _tier(tier: str | None) -> tuple[Any, ...]:
+    return () if tier is None else ("TIER", tier)
+
+
 def lease(
-    ns: str, hashes: Sequence[HashLike], ttl_ms: int | None = None
+    ns: str, hashes: Sequence[HashLike], ttl_ms: int | None = None, tier: str | None = None
 ) -> Call[LeaseGrant | None]:
-    return Call(("KV.LEASE", ns, *map(hash_bytes, hashes), *_ttl(ttl_ms)), _lease)
+    """``tier`` ("gpu" or "dram"): where the handles should point; None: the server's default
+    (gpu when it has a GPU tier)."""
+    args = ("KV.LEASE", ns, *map(hash_bytes, hashes), *_ttl(ttl_ms), *_tier(tier))
+    return Call(args, _lease)
 
 
 def _lease(reply: Any) -> LeaseGrant | None:
@@ -150,6 +157,7 @@ def reserve(
     nbytes: int,
     tokens: int = 0,
     ttl_ms: int | None = None,
+    tier: str | None = None,
 ) -> Call[ReserveGrant]:
     args: tuple[Any, ...] = (
         "KV.RESERVE",
@@ -159,7 +167,7 @@ def reserve(
         int(nbytes),
     )
     args += ("TOKENS", int(tokens)) if tokens else ()
-    return Call(args + _ttl(ttl_ms), _reserve)
+    return Call(args + _ttl(ttl_ms) + _tier(tier), _reserve)
 
 
 def _reserve(reply: Any) -> ReserveGrant:

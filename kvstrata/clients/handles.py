@@ -11,8 +11,14 @@ tensors); views of a reserved slot are writable.
 ``cuda`` regions (the server's GPU pool) carry a CUDA IPC memory handle (hex of the 64-byte
 ``cudaIpcMemHandle_t``). They are opened with CuPy (``cupy.cuda.runtime.ipcOpenMemHandle``) when
 it is installed, else through the CUDA runtime that torch loads (``cudaIpcOpenMemHandle`` via
-ctypes), and exposed as torch tensors or CuPy arrays on the region's device. Without CUDA the
-functions raise :class:`CudaUnavailable` saying so.
+ctypes), and exposed as torch tensors (:func:`handle_tensor`) or CuPy arrays
+(:func:`handle_cupy`) on the region's device. Without CUDA the functions raise
+:class:`CudaUnavailable` saying so.
+
+A server with a GPU tier leases into it by default. :func:`lease_tier` is what the clients
+send with ``KV.LEASE``: ``TIER dram`` when this process cannot use CUDA (no NVIDIA device
+nodes, torch absent, or ``torch.cuda.is_available()`` False), so CPU-only engines never get
+``cuda`` handles; otherwise nothing (the server's default).
 
 A view stays valid while its lease is held: after ``release``/``commit`` the server may reuse the
 bytes, so copy out what must outlive the lease.
@@ -20,6 +26,8 @@ bytes, so copy out what must outlive the lease.
 
 from __future__ import annotations
 
+import functools
+import glob
 import threading
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -33,9 +41,12 @@ __all__ = [
     "HandleViews",
     "RegionMapError",
     "close_all",
+    "cuda_usable",
     "handle_array",
+    "handle_cupy",
     "handle_tensor",
     "handle_view",
+    "lease_tier",
     "map_shm",
 ]
 
@@ -155,6 +166,43 @@ class _CudaArray:
             "version": 3,
             "strides": None,
         }
+
+
+def handle_cupy(region: RegionInfo, handle: Handle, dtype: Any = np.uint8) -> Any:
+    """The handle's bytes in a ``cuda`` region as a 1-D CuPy array of ``dtype`` (no copy)."""
+    try:
+        import cupy
+    except ImportError:
+        raise CudaUnavailable("handle_cupy needs CuPy (pip install cupy-cuda12x)") from None
+    _check_bounds(region, handle)
+    dt = np.dtype(dtype)
+    if handle.length % dt.itemsize:
+        raise ValueError(f"{handle.length} bytes are not a whole number of {dt} items")
+    ptr = _open_cuda(region)
+    memory = cupy.cuda.UnownedMemory(ptr + handle.offset, handle.length, None, region.device)
+    pointer = cupy.cuda.MemoryPointer(memory, 0)
+    return cupy.ndarray((handle.length // dt.itemsize,), dtype=dt, memptr=pointer)
+
+
+@functools.cache
+def cuda_usable() -> bool:
+    """Whether this process can view ``cuda`` handles: NVIDIA device nodes exist and torch
+    says ``torch.cuda.is_available()``. Cached; torch is imported only where the nodes exist."""
+    if not (glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/dxg")):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def lease_tier(tier: str | None) -> str | None:
+    """The ``TIER`` a client sends with KV.LEASE: ``tier`` when given, else ``dram`` when this
+    process cannot use CUDA, else None (the server's default: gpu when it has a GPU tier)."""
+    if tier is not None:
+        return tier
+    return None if cuda_usable() else "dram"
 
 
 def _open_cuda(region: RegionInfo) -> int:

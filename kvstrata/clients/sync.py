@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlparse
 from kvstrata.clients import commands as cmd
 from kvstrata.clients.commands import Call, HashLike, Payload
 from kvstrata.clients.connection import ConnectionPool, ConnectionSettings
+from kvstrata.clients.handles import lease_tier
 from kvstrata.clients.leases import LeaseBase, WriteLeaseBase
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.results import LeaseId, MatchResult, RegionInfo, TokenMatch
@@ -214,9 +215,19 @@ class Client:
             self.regions()
         return self._regions
 
-    def lease(self, ns: str, hashes: Sequence[HashLike], ttl_ms: int | None = None) -> Lease | None:
-        """Pin chunks for zero-copy reads; None when nothing was leased."""
-        grant = self._run(cmd.lease(ns, hashes, ttl_ms))
+    def lease(
+        self,
+        ns: str,
+        hashes: Sequence[HashLike],
+        ttl_ms: int | None = None,
+        tier: str | None = None,
+    ) -> Lease | None:
+        """Pin chunks for zero-copy reads; None when nothing was leased.
+
+        ``tier`` ("gpu" or "dram") chooses where the handles point. By default a process
+        without usable CUDA asks for ``dram`` (shared-memory handles), and one with CUDA lets
+        the server choose (its GPU pool when it has one, falling back to DRAM per chunk)."""
+        grant = self._run(cmd.lease(ns, hashes, ttl_ms, lease_tier(tier)))
         if grant is None:
             return None
         regions = self._regions_for({h.region for h in grant.handles})
@@ -230,9 +241,10 @@ class Client:
         nbytes: int,
         tokens: int = 0,
         ttl_ms: int | None = None,
+        tier: str | None = None,
     ) -> WriteLease:
         """Reserve an invisible slot to fill in place; commit publishes it."""
-        grant = self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms))
+        grant = self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms, tier))
         regions = self._regions_for({grant.handle.region})
         return WriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
 

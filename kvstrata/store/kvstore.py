@@ -1,8 +1,9 @@
 """KVStore: the facade the KV.* commands call.
 
 It ties together the index (``index``), leases (``leases``), placement and eviction
-(``placement``), the write path (``kvstore_write``) and the read path (``kvstore_read``) over
-the configured tiers, ordered fast → slow. Bookkeeping is synchronous on the event loop; only
+(``placement``), the write path (``kvstore_write``), the read path (``kvstore_read``) and the
+moves into the GPU tier (``kvstore_gpu``) over the configured tiers (``kvstore_build``),
+ordered fast → slow. Bookkeeping is synchronous on the event loop; only
 tier I/O is awaited, and no lock is held across an await (key ownership is described in
 ``kvstore_state``).
 
@@ -15,7 +16,6 @@ tiers, starts the lease sweeper, the demoter and the prefetch workers) and final
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 from collections.abc import Sequence
@@ -25,6 +25,8 @@ from kvstrata.config import Config
 from kvstrata.store.index import ChunkRecord, record_from_meta
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace, now_ms
+from kvstrata.store.kvstore_build import build_tiers, status_of
+from kvstrata.store.kvstore_gpu import GpuPath
 from kvstrata.store.kvstore_prefetch import PrefetchPath
 from kvstrata.store.kvstore_read import Payload, ReadPath
 from kvstrata.store.kvstore_remote import RemotePath
@@ -32,38 +34,30 @@ from kvstrata.store.kvstore_state import StoreState, is_shared
 from kvstrata.store.kvstore_write import StoreSink, WritePath
 from kvstrata.store.leases import Lease, ReadLease, WriteLease, run_sweeper
 from kvstrata.store.placement import Placement
-from kvstrata.tiers.base import MemoryTier, Region, Tier, build_tier
+from kvstrata.tiers.base import MemoryTier, Region, Tier
 
 log = logging.getLogger("kvstrata.store")
 
 __all__ = ["KVStore", "Payload", "StoreSink"]
 
 
-_CONFIG_CLASSES = {
-    "dram": ("kvstrata.tiers.dram", "DramConfig"),
-    "nvme": ("kvstrata.tiers.nvme", "NvmeConfig"),
-    "s3": ("kvstrata.tiers.s3", "S3Config"),
-}
-
-
-def _tier_config(name: str, config: Config) -> Any:
-    """The typed config of tier ``name`` (importing its module registers the tier)."""
-    module, cls_name = _CONFIG_CLASSES[name]
-    return getattr(importlib.import_module(module), cls_name).from_config(config)
-
-
 class KVStore:
     """See the module docstring."""
 
-    def __init__(self, config: Config, keyspace: Keyspace, tiers: list[Tier]) -> None:
+    def __init__(
+        self, config: Config, keyspace: Keyspace, tiers: list[Tier], gpu_status: str = ""
+    ) -> None:
         self.config = config
         self.keyspace = keyspace
         self.state = StoreState(config, keyspace, tiers)
+        #: one line for INFO tiers: why there is or is not a gpu tier
+        self.gpu_status = gpu_status or status_of(tiers, int(config.gpu_device))
         self.placement = Placement(self.state)
-        self.writes = WritePath(self.state, self.placement)
+        self.gpu = GpuPath(self.state, self.placement) if self.state.gpu is not None else None
+        self.writes = WritePath(self.state, self.placement, self.gpu)
         self.remote = RemotePath(self.state)
-        self.reads = ReadPath(self.state, self.placement, self.remote)
-        self.hints = PrefetchPath(self.state, self.placement, self.reads, self.remote)
+        self.reads = ReadPath(self.state, self.placement, self.remote, self.gpu)
+        self.hints = PrefetchPath(self.state, self.placement, self.reads, self.remote, self.gpu)
         self.rebuild: dict[str, float] = {"chunks": 0, "bytes": 0, "seconds": 0.0,
                                           "quarantined": 0, "errors": 0}  # fmt: skip
         self._background: list[asyncio.Task[Any]] = []
@@ -82,19 +76,11 @@ class KVStore:
 
     @classmethod
     async def from_config(cls, config: Config, keyspace: Keyspace) -> KVStore:
-        """Build the tiers the configuration asks for (dram always; nvme when nvme-capacity > 0;
-        s3 when s3-bucket is set) and return an un-started store."""
-        tiers: list[Tier] = [build_tier("dram", _tier_config("dram", config))]
-        try:
-            if config.nvme_capacity > 0:
-                tiers.append(build_tier("nvme", _tier_config("nvme", config)))
-            if config.s3_bucket:
-                tiers.append(build_tier("s3", _tier_config("s3", config)))
-        except BaseException:
-            for tier in tiers:
-                await tier.close()
-            raise
-        return cls(config, keyspace, tiers)
+        """Build the tiers the configuration asks for (gpu when gpu-capacity > 0, dram always,
+        nvme when nvme-capacity > 0, s3 when s3-bucket is set; see ``kvstore_build``) and
+        return an un-started store. Raises TierUnavailable (e.g. a gpu tier without CUDA)."""
+        tiers, status = await build_tiers(config)
+        return cls(config, keyspace, tiers, status)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -202,10 +188,11 @@ class KVStore:
 
     async def reserve(
         self, ns: str, hash: bytes, parent: bytes, nbytes: int, tokens: int = 0,
-        ttl_ms: int | None = None,
+        ttl_ms: int | None = None, tier: str | None = None,
     ) -> WriteLease:  # fmt: skip
+        """KV.RESERVE: a slot in DRAM, or in the GPU pool with ``tier="gpu"``."""
         ttl = self.config.lease_ttl if ttl_ms is None else ttl_ms
-        return await self.writes.reserve(ns, hash, parent, nbytes, tokens, ttl)
+        return await self.writes.reserve(ns, hash, parent, nbytes, tokens, ttl, tier)
 
     async def commit(self, lease_id: str) -> None:
         await self.writes.commit(lease_id)
@@ -223,10 +210,15 @@ class KVStore:
         return [await self.reads.get(ns, h) for h in hashes]
 
     async def lease(
-        self, ns: str, hashes: Sequence[bytes], ttl_ms: int | None = None
+        self,
+        ns: str,
+        hashes: Sequence[bytes],
+        ttl_ms: int | None = None,
+        tier: str | None = None,
     ) -> ReadLease | None:
+        """KV.LEASE into ``tier`` (gpu or dram; default: gpu when this store has one)."""
         ttl = self.config.lease_ttl if ttl_ms is None else ttl_ms
-        return await self.reads.lease(ns, hashes, ttl)
+        return await self.reads.lease(ns, hashes, ttl, tier)
 
     def release(self, lease_id: str) -> None:
         self.reads.release(lease_id)
@@ -386,7 +378,10 @@ class KVStore:
         return out
 
     def info_sections(self) -> dict[str, list[tuple[str, object]]]:
-        tiers: list[tuple[str, object]] = [("tiers", ",".join(t.name for t in self.tiers))]
+        tiers: list[tuple[str, object]] = [
+            ("tiers", ",".join(t.name for t in self.tiers)),
+            ("gpu_status", self.gpu_status),
+        ]
         for name, row in self.stats().items():
             tiers.extend((f"{name}_{k}", v) for k, v in row.items()
                          if isinstance(v, int | float | str))  # fmt: skip

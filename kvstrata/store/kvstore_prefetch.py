@@ -7,6 +7,9 @@ one chunk at a time for the scheduler's workers:
 
 - target ``dram`` (the default): promotion from the fastest lower tier holding the chunk,
   making room by the usual LRU demotion (pinned and leased chunks are never moved);
+- target ``gpu`` (with a GPU tier): the same promotion into the GPU pool as ``KV.LEASE … TIER
+  gpu`` (``kvstore_gpu.GpuPath.ensure_gpu``: from DRAM, straight from NVMe, or through a host
+  buffer from s3);
 - a local tier below DRAM (``nvme``): a copy from a slower tier (s3), so that the next load
   is local;
 - a chunk this node does not know yet is looked up in the shared tier first.
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from kvstrata.protocol.errors import CommandError
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey
+from kvstrata.store.kvstore_gpu import GpuPath
 from kvstrata.store.kvstore_read import ReadPath
 from kvstrata.store.kvstore_remote import RemotePath
 from kvstrata.store.kvstore_state import StoreState, is_shared
@@ -36,12 +40,18 @@ MAX_CHAIN = 65_536
 
 class PrefetchPath:
     def __init__(
-        self, state: StoreState, placement: Placement, reads: ReadPath, remote: RemotePath
+        self,
+        state: StoreState,
+        placement: Placement,
+        reads: ReadPath,
+        remote: RemotePath,
+        gpu: GpuPath | None = None,
     ) -> None:
         self.state = state
         self.placement = placement
         self.reads = reads
         self.remote = remote
+        self.gpu = gpu
         self.sessions = SessionTable()
         config = state.config
         self.prefetch = PrefetchScheduler(
@@ -67,7 +77,8 @@ class PrefetchPath:
         tier = self.state.by_name.get(target)
         if tier is None:
             raise CommandError(f"unknown tier '{target}' (tiers: {self._names()})")
-        if is_shared(tier) or (isinstance(tier, MemoryTier) and tier is not self.state.dram):
+        memory = isinstance(tier, MemoryTier) and tier not in (self.state.dram, self.state.gpu)
+        if is_shared(tier) or memory:
             raise CommandError(f"cannot prefetch to tier '{target}'")
         return target
 
@@ -156,7 +167,9 @@ class PrefetchPath:
         if rec is None or not rec.alive or target in rec.tiers:
             return 0
         state = self.state
-        if state.dram is not None and target == state.dram.name:
+        if self.gpu is not None and target == self.gpu.gpu.name:
+            ok = await self.gpu.ensure_gpu(rec, make_room=True)
+        elif state.dram is not None and target == state.dram.name:
             ok = await self.reads.ensure_dram(rec, make_room=True)
         else:
             ok = await self._copy_into(rec, state.tier_index(target))

@@ -1,12 +1,17 @@
 """The read path: KV.GET (zero-copy from DRAM, read-through and promotion from cold tiers),
-KV.LEASE / RELEASE (pinned handles into the shareable DRAM arena). Chunks the index does not
-know are looked up in the shared tier first (``kvstore_remote``).
+KV.LEASE / RELEASE (pinned handles into a shareable tier: the GPU pool or the DRAM arena).
+Chunks the index does not know are looked up in the shared tier first (``kvstore_remote``).
 
-A DRAM hit returns a view of the arena slot, pinned until the caller's ``release()``. A hit in
-a lower tier reads straight into a fresh DRAM reservation when there is room (promotion with
-no extra copy; the lower copy is kept) and otherwise into a new buffer. The record is pinned
-while its bytes are read, so a concurrent delete, replacement or eviction waits for the read
-instead of freeing the copy under it; a chunk deleted meanwhile is reported as a miss.
+A DRAM hit returns a view of the arena slot, pinned until the caller's ``release()``; a chunk
+held in both the GPU and DRAM is served from DRAM. A hit in the GPU or a lower tier reads
+straight into a fresh DRAM reservation when there is room (``get`` into the slot, checksum,
+commit; the other copy is kept) and otherwise into a new buffer. The record is pinned while its
+bytes are read, so a concurrent delete, replacement or eviction waits for the read instead of
+freeing the copy under it; a chunk deleted meanwhile is reported as a miss.
+
+KV.LEASE leases into the GPU (``TIER gpu``, the default when a GPU tier exists) through
+``kvstore_gpu``; a chunk that cannot be brought there is leased from DRAM instead, so one
+lease may mix ``cuda`` and ``shm`` handles.
 """
 
 from __future__ import annotations
@@ -19,24 +24,30 @@ from dataclasses import dataclass
 from kvstrata.protocol.errors import CommandError, LeaseError
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey
+from kvstrata.store.kvstore_gpu import GpuPath
 from kvstrata.store.kvstore_remote import RemotePath
 from kvstrata.store.kvstore_state import StoreState
 from kvstrata.store.leases import ReadLease, deadline_after
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import (
-    ChunkMissing,
     Handle,
-    IntegrityError,
     MemoryTier,
     Tier,
     TierError,
-    TierFull,
 )
-from kvstrata.tiers.checksum import checksum
 
 log = logging.getLogger("kvstrata.store")
 
 _AHEAD = 8  # chunks a lease promotes at once
+
+
+def handle_tier(state: StoreState, handle: Handle) -> str:
+    """The tier a lease handle points into (its region is the GPU pool's or the arena's)."""
+    gpu = state.gpu
+    if gpu is not None and handle.region == gpu.region_name:
+        return gpu.name
+    assert state.dram is not None
+    return state.dram.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +60,16 @@ class Payload:
 
 class ReadPath:
     def __init__(
-        self, state: StoreState, placement: Placement, remote: RemotePath | None = None
+        self,
+        state: StoreState,
+        placement: Placement,
+        remote: RemotePath | None = None,
+        gpu: GpuPath | None = None,
     ) -> None:
         self.state = state
         self.placement = placement
         self.remote = remote
+        self.gpu = gpu
 
     def _unpinner(self, rec: ChunkRecord) -> Callable[[], None]:
         done = False
@@ -90,11 +106,14 @@ class ReadPath:
 
     async def _read(self, rec: ChunkRecord) -> Payload | None:
         state = self.state
+        dram = state.dram
         for tier in state.tiers:
             counters = state.counters[tier.name]
             if tier.name not in rec.tiers:
                 counters.misses += 1
                 continue
+            if tier is state.gpu and dram is not None and dram.name in rec.tiers:
+                continue  # DRAM serves it without a copy
             if isinstance(tier, MemoryTier) and tier.name != "gpu":
                 try:
                     view = tier.view(rec.key)
@@ -146,39 +165,12 @@ class ReadPath:
         the move). True: promoted; False: no room (the copy is fine); None: the copy is bad or
         unreadable, or the chunk was deleted meanwhile."""
         state = self.state
-        dram = state.dram
-        assert dram is not None
-        key = rec.key
-        try:
-            view = dram.reserve(key, rec.size)
-        except TierFull:
-            return False
-        except TierError as exc:
-            state.tier_error(dram.name, f"reserve for {key.hex[:16]}", exc)
-            return False
-        committed = False
-        try:
-            meta = await src.get(key, view)
-            if meta.checksum != rec.checksum or checksum(view) != rec.checksum:
-                raise IntegrityError(f"{src.name}: checksum mismatch for {key.hex}")
-            if not rec.alive:
-                return None
-            dram.commit(rec.meta())
-            committed = True
-        except TierError as exc:
-            state.tier_error(src.name, f"read of {key.hex[:16]}", exc)
-            if isinstance(exc, IntegrityError | ChunkMissing):
-                await state.delete_copy(rec, src.name)
-            return None
-        finally:
-            if not committed:
-                dram.abort(key)
-        state.index.add_tier(rec, dram.name)
-        state.counters[dram.name].promotions += 1
-        state.counters[dram.name].bytes_in += rec.size
-        state.counters[src.name].bytes_out += rec.size
-        self.placement.kick()
-        return True
+        assert state.dram is not None
+        done = await self.placement.copy_to_dram(rec, src, make_room=False)
+        if done:
+            state.counters[state.dram.name].promotions += 1
+            self.placement.kick()
+        return done
 
     async def ensure_dram(self, rec: ChunkRecord, make_room: bool = True) -> bool:
         """Bring ``rec`` into DRAM (promoting it from the fastest lower tier holding it)."""
@@ -212,29 +204,48 @@ class ReadPath:
 
     # -- KV.LEASE / KV.RELEASE -------------------------------------------------------------------
 
-    async def lease(self, ns: str, hashes: Sequence[bytes], ttl_ms: int) -> ReadLease | None:
-        """Pin the leading present chunks (promoting them into DRAM); None when none is."""
+    def lease_target(self, tier: str | None) -> str:
+        """The tier a lease asks for: ``gpu`` or ``dram``; by default the fastest shareable
+        tier this store has (gpu when configured)."""
         state = self.state
-        dram = state.dram
-        if dram is None:
+        if state.dram is None:
             raise CommandError("KV.LEASE needs a dram tier")
+        if tier is None:
+            return state.gpu.name if state.gpu is not None else state.dram.name
+        if tier == "gpu" and state.gpu is None:
+            raise CommandError("TIER gpu: this server has no gpu tier (INFO tiers: gpu_status)")
+        if tier not in ("gpu", "dram"):
+            raise CommandError(f"invalid TIER '{tier}': must be gpu or dram")
+        return tier
+
+    async def lease(
+        self, ns: str, hashes: Sequence[bytes], ttl_ms: int, tier: str | None = None
+    ) -> ReadLease | None:
+        """Pin the leading present chunks, promoting them into ``tier`` (see
+        :meth:`lease_target`; a chunk the GPU cannot take is leased from DRAM); None when the
+        first chunk is not cached."""
+        state = self.state
+        target = self.lease_target(tier)
         if self.remote is not None:
             await self.remote.ensure_known(ns, hashes)
-        await self._promote_ahead(ns, hashes)
+        await self._promote_ahead(ns, hashes, target)
         records: list[ChunkRecord] = []
         handles: list[Handle] = []
         try:
             for h in hashes:
                 rec = state.live(ChunkKey(ns, h))
-                if rec is None or not await self.ensure_dram(rec) or not rec.alive:
+                if rec is None:
                     break
-                handle = dram.handle(rec.key)
+                handle = await self._lease_handle(rec, target)
+                if handle is None:
+                    break
                 state.pin(rec)
                 rec.leases += 1
                 rec.touch()
                 rec.hits += 1
                 records.append(rec)
                 handles.append(handle)
+                state.counters[handle_tier(state, handle)].hits += 1
         except BaseException:
             self._unpin_all(records)
             raise
@@ -248,31 +259,51 @@ class ReadPath:
             deadline=deadline_after(ttl_ms, state.leases.clock),
         )
         state.leases.add(lease)
-        state.counters[dram.name].hits += len(records)
         return lease
 
-    async def _promote_ahead(self, ns: str, hashes: Sequence[bytes]) -> None:
-        """Promote the leading chunks that are below DRAM in parallel (bounded), when they fit
-        together, so a chain held in nvme/s3 is not read one request after the other."""
-        state = self.state
-        dram = state.dram
+    async def _lease_handle(self, rec: ChunkRecord, target: str) -> Handle | None:
+        """Bring ``rec`` into ``target`` (or DRAM) and return its handle there; synchronous
+        from the last await to the caller's pin, so the copy cannot leave in between."""
+        moves = self.gpu
+        if (
+            moves is not None
+            and target == moves.gpu.name
+            and await moves.ensure_gpu(rec)
+            and rec.alive
+        ):
+            return moves.gpu.handle(rec.key)
+        dram = self.state.dram
         assert dram is not None
+        if await self.ensure_dram(rec) and rec.alive:
+            return dram.handle(rec.key)
+        return None
+
+    async def _promote_ahead(self, ns: str, hashes: Sequence[bytes], target: str) -> None:
+        """Promote the leading chunks that are not in ``target`` in parallel (bounded), when
+        they fit together, so a chain held in nvme/s3 is not read one request after the
+        other."""
+        state = self.state
+        tier = state.by_name[target]
         below: list[ChunkRecord] = []
         total = 0
         for h in hashes:
             rec = state.live(ChunkKey(ns, h))
             if rec is None:
                 break
-            if dram.name not in rec.tiers:
+            if target not in rec.tiers:
                 below.append(rec)
                 total += rec.size
-        if len(below) < 2 or total > dram.capacity // 2:
+        if len(below) < 2 or total > tier.capacity // 2:
             return
         gate = asyncio.Semaphore(_AHEAD)
+        moves = self.gpu if tier is state.gpu else None
 
         async def one(rec: ChunkRecord) -> None:
             async with gate:
-                await self.ensure_dram(rec)
+                if moves is not None:
+                    await moves.ensure_gpu(rec)
+                else:
+                    await self.ensure_dram(rec)
 
         await asyncio.gather(*(one(r) for r in below))
 

@@ -35,6 +35,7 @@ from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Entry, Keyspace, now_ms
 from kvstrata.store.leases import LeaseTable
 from kvstrata.tiers.base import MemoryTier, Tier, TierError
+from kvstrata.tiers.gpu import GpuTier
 
 log = logging.getLogger("kvstrata.store")
 
@@ -85,6 +86,9 @@ class StoreState:
             raise ValueError(f"two tiers share a name: {[t.name for t in self.tiers]}")
         dram = self.by_name.get("dram")
         self.dram: MemoryTier | None = dram if isinstance(dram, MemoryTier) else None
+        gpu = self.by_name.get("gpu")
+        #: the top tier (a device pool shared by CUDA IPC), or None without one
+        self.gpu: GpuTier | None = gpu if isinstance(gpu, GpuTier) else None
         #: the cluster-wide tier (s3) consulted for chunks this node does not know, or None
         self.remote: Tier | None = next((t for t in self.tiers if is_shared(t)), None)
         self.index = ChunkIndex()

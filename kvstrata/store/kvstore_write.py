@@ -3,7 +3,10 @@
 A chunk becomes visible only when its bytes are complete and checksummed: it is written into
 an invisible DRAM reservation (the connection receives a large payload straight into it, see
 :meth:`WritePath.reserve_put`), copied to the write-through tiers, then committed and published
-in the index and keyspace in one synchronous step. The key is owned by its writer from the
+in the index and keyspace in one synchronous step. ``KV.RESERVE … TIER gpu`` reserves the slot
+in the GPU pool instead (:class:`~kvstrata.store.kvstore_gpu.GpuSink`); its commit copies the
+slot to the host first (into a DRAM reservation when there is room), checksums those bytes and
+commits the GPU and DRAM copies together. The key is owned by its writer from the
 first reservation to the publication (see ``kvstore_state``), so with ``NX`` exactly one of
 concurrent writers stores the chunk and the others wait for it and answer 0.
 """
@@ -17,10 +20,11 @@ from kvstrata.protocol.errors import BusyError, CommandError, LeaseError, OutOfM
 from kvstrata.store.index import record_from_meta
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.keyspace import now_ms
+from kvstrata.store.kvstore_gpu import GpuPath, GpuSink
 from kvstrata.store.kvstore_state import StoreState, is_shared
 from kvstrata.store.leases import WriteLease, deadline_after
 from kvstrata.store.placement import Placement
-from kvstrata.tiers.base import Buffer, TierError, TierFull
+from kvstrata.tiers.base import Buffer, Handle, TierError, TierFull
 from kvstrata.tiers.checksum import checksum
 
 log = logging.getLogger("kvstrata.store")
@@ -50,6 +54,16 @@ class StoreSink:
         self.consumed = True
         return self
 
+    async def host_bytes(self) -> memoryview:
+        return self.view
+
+    def place(self, meta: ChunkMeta) -> list[str]:
+        """Commit the slot (the chunk's DRAM copy); the tiers it is now in."""
+        dram = self.state.dram
+        assert dram is not None
+        dram.commit(meta)
+        return [dram.name]
+
     def abort(self) -> None:
         if self.done:
             return
@@ -64,9 +78,10 @@ class StoreSink:
 
 
 class WritePath:
-    def __init__(self, state: StoreState, placement: Placement) -> None:
+    def __init__(self, state: StoreState, placement: Placement, gpu: GpuPath | None = None) -> None:
         self.state = state
         self.placement = placement
+        self.gpu = gpu
 
     # -- synchronous reservation for large payloads ----------------------------------------------
 
@@ -144,7 +159,7 @@ class WritePath:
         tokens: int,
         ttl_ms: int | None,
         data: memoryview,
-        sink: StoreSink | None,
+        sink: StoreSink | GpuSink | None,
     ) -> None:
         """Place, checksum and publish a chunk whose key the caller owns."""
         meta = ChunkMeta(key, parent, tokens, data.nbytes, checksum(data))
@@ -166,7 +181,11 @@ class WritePath:
         self.placement.kick()
 
     async def _place(
-        self, meta: ChunkMeta, data: memoryview, sink: StoreSink | None, placed: list[str]
+        self,
+        meta: ChunkMeta,
+        data: memoryview,
+        sink: StoreSink | GpuSink | None,
+        placed: list[str],
     ) -> None:
         state = self.state
         dram = state.dram
@@ -186,16 +205,14 @@ class WritePath:
                     raise OutOfMemoryError(f"write-through to {tier.name} failed: {exc}") from exc
                 raise CommandError(f"write-through to {tier.name} failed: {exc}") from exc
             placed.append(tier.name)
-        if dram is not None:
-            if sink is not None:
+        if sink is not None:
+            placed.extend(sink.place(meta))
+        elif dram is not None and meta.size <= dram.capacity:
+            view = await self.reserve_dram(meta.key, meta.size)
+            if view is not None:
+                view[:] = data
                 dram.commit(meta)
                 placed.append(dram.name)
-            elif meta.size <= dram.capacity:
-                view = await self.reserve_dram(meta.key, meta.size)
-                if view is not None:
-                    view[:] = data
-                    dram.commit(meta)
-                    placed.append(dram.name)
         if not placed:
             await self._place_below(meta, data, placed)
         if not placed:
@@ -222,56 +239,75 @@ class WritePath:
 
     async def reserve_dram(self, key: ChunkKey, nbytes: int) -> memoryview | None:
         """A DRAM reservation for a key the caller owns, making room if needed."""
-        dram = self.state.dram
-        assert dram is not None
-        for attempt in range(2):
-            try:
-                return dram.reserve(key, nbytes)
-            except TierFull:
-                if attempt or not await self.placement.make_room(
-                    self.state.tier_index(dram.name), nbytes
-                ):
-                    return None
-        return None
+        return await self.placement.reserve_dram(key, nbytes)
 
     # -- KV.RESERVE / COMMIT / ABORT -------------------------------------------------------------
 
     async def reserve(
-        self, ns: str, hash: bytes, parent: bytes, nbytes: int, tokens: int, ttl_ms: int
+        self,
+        ns: str,
+        hash: bytes,
+        parent: bytes,
+        nbytes: int,
+        tokens: int,
+        ttl_ms: int,
+        tier: str | None = None,
     ) -> WriteLease:
-        """A write lease on a fresh DRAM slot; raises CommandError/BusyError/OOM."""
+        """A write lease on a fresh slot: in DRAM by default, in the GPU pool with ``tier``
+        ``gpu`` (in DRAM when the pool has no room); raises CommandError/BusyError/OOM."""
         state = self.state
         dram = state.dram
         if dram is None:
             raise CommandError("KV.RESERVE needs a dram tier")
-        if not 0 < nbytes <= dram.capacity:
-            raise CommandError(f"invalid nbytes: must be 1 to {dram.capacity} (the dram size)")
+        if tier not in (None, "dram", "gpu"):
+            raise CommandError(f"invalid TIER '{tier}': must be gpu or dram")
+        if tier == "gpu" and (state.gpu is None or self.gpu is None):
+            raise CommandError("TIER gpu: this server has no gpu tier (INFO tiers: gpu_status)")
+        limit = dram.capacity
+        if tier == "gpu" and state.gpu is not None:
+            limit = max(limit, state.gpu.capacity)
+        if not 0 < nbytes <= limit:
+            raise CommandError(f"invalid nbytes: must be 1 to {limit} (the tier's size)")
         key = ChunkKey(ns, hash)
         if state.live(key) is not None:
             raise CommandError(f"chunk {key.hex} already exists (KV.DEL it to replace it)")
         if not state.claim(key):
             raise BusyError(f"chunk {key.hex} is being written or freed by another client")
         try:
-            view = await self.reserve_dram(key, nbytes)
+            slot = await self._reserve_slot(key, nbytes, tier == "gpu")
         except BaseException:
             state.release_claim(key)
             raise
-        if view is None:
+        if slot is None:
             state.release_claim(key)
             raise OutOfMemoryError(self.placement.describe_full(nbytes))
-        sink = StoreSink(state, key, view)
+        sink, handle = slot
         lease = WriteLease(
             id=state.leases.new_id(),
             key=key,
             parent=parent,
             tokens=tokens,
             size=nbytes,
-            handle=dram.reserved_handle(key),
+            handle=handle,
             sink=sink,
             deadline=deadline_after(ttl_ms, state.leases.clock),
         )
         state.leases.add(lease)
         return lease
+
+    async def _reserve_slot(
+        self, key: ChunkKey, nbytes: int, in_gpu: bool
+    ) -> tuple[StoreSink | GpuSink, Handle] | None:
+        if in_gpu and self.gpu is not None:
+            slot = await self.gpu.reserve(key, nbytes)
+            if slot is not None:
+                return slot
+        view = await self.reserve_dram(key, nbytes)
+        if view is None:
+            return None
+        dram = self.state.dram
+        assert dram is not None
+        return StoreSink(self.state, key, view), dram.reserved_handle(key)
 
     def _take_write_lease(self, lease_id: str, verb: str) -> WriteLease:
         leases = self.state.leases
@@ -288,10 +324,14 @@ class WritePath:
 
     async def commit(self, lease_id: str) -> None:
         lease = self._take_write_lease(lease_id, "KV.COMMIT")
-        sink: StoreSink = lease.sink
+        sink: StoreSink | GpuSink = lease.sink
         sink.consume()
         try:
-            await self.commit_new(lease.key, lease.parent, lease.tokens, None, sink.view, sink)
+            try:
+                data = await sink.host_bytes()  # a GPU slot is copied to the host first
+            except TierError as exc:
+                raise CommandError(f"KV.COMMIT: the reserved slot cannot be read: {exc}") from exc
+            await self.commit_new(lease.key, lease.parent, lease.tokens, None, data, sink)
         finally:
             sink.abort()
 

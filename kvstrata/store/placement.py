@@ -10,8 +10,10 @@ Policy, per tier:
   (leased, being read, being moved) and never uncommitted (reservations are not in the index).
 - A victim is written back one tier down before its copy leaves (skipped when a lower local
   tier already holds it; a copy in the shared s3 tier only counts for the lowest local tier),
-  or dropped when the tier is the last one. The lowest local tier drops a victim whose
-  write-back to s3 fails (outage) rather than stall.
+  or dropped when the tier is the last one. A GPU victim goes to DRAM whenever DRAM lacks it
+  (``gpu.get`` straight into a DRAM reservation, checksummed, committed), making room there by
+  the same rules; only when DRAM cannot take it do the general rules apply. The lowest local
+  tier drops a victim whose write-back to s3 fails (outage) rather than stall.
 - ``{tier}-write-policy = write-through``: PUTs write that tier before they are acknowledged
   (done by the write path through :meth:`Placement.put_with_room`).
 
@@ -36,7 +38,7 @@ import logging
 from dataclasses import dataclass
 
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkMeta
+from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.kvstore_state import StoreState, is_shared
 from kvstrata.tiers.base import (
     Buffer,
@@ -220,7 +222,10 @@ class Placement:
         """Keep every bounded tier under its high watermark (cancel the task to stop)."""
         while True:
             try:
-                await asyncio.wait_for(self._kick.wait(), interval)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can turn a cancel that lands
+                # with the timeout into a TimeoutError, and this loop would never end
+                async with asyncio.timeout(interval):
+                    await self._kick.wait()
             except TimeoutError:
                 pass
             self._kick.clear()
@@ -268,6 +273,14 @@ class Placement:
 
         When the lowest local tier cannot write back to the shared tier (an S3 outage) the
         chunk is dropped anyway: a cache may lose a chunk, a full local tier must not stall."""
+        state = self.state
+        src = state.tiers[i]
+        dram = state.dram
+        if src is state.gpu and dram is not None and dram.name not in rec.tiers:
+            if await self.copy_to_dram(rec, src, make_room=True):
+                return True
+            if not rec.alive:
+                return False
         lower = self.state.tiers[i + 1 :]
         if not lower:
             return True
@@ -317,6 +330,62 @@ class Placement:
             return None
         self.state.counters[src.name].bytes_out += rec.size
         return buf
+
+    async def reserve_dram(
+        self, key: ChunkKey, nbytes: int, make_room: bool = True
+    ) -> memoryview | None:
+        """A DRAM reservation for a key the caller owns (or moves), making room if allowed;
+        None when there is no DRAM tier or no room."""
+        dram = self.state.dram
+        if dram is None or nbytes > dram.capacity:
+            return None
+        for attempt in range(2):
+            try:
+                return dram.reserve(key, nbytes)
+            except TierFull:
+                if attempt or not make_room:
+                    return None
+                if not await self.make_room(self.state.tier_index(dram.name), nbytes):
+                    return None
+        return None
+
+    async def copy_to_dram(self, rec: ChunkRecord, src: Tier, make_room: bool) -> bool | None:
+        """Read ``rec`` from ``src`` into a new DRAM slot, verify it and commit it there (the
+        caller holds the move). True: in DRAM now; False: no room; None: the copy in ``src``
+        is bad or unreadable (dropped when bad), or the chunk was deleted meanwhile."""
+        state = self.state
+        dram = state.dram
+        assert dram is not None
+        key = rec.key
+        try:
+            view = await self.reserve_dram(key, rec.size, make_room)
+        except TierError as exc:
+            state.tier_error(dram.name, f"reserve for {key.hex[:16]}", exc)
+            return False
+        if view is None:
+            return False
+        committed = False
+        try:
+            meta = await src.get(key, view)
+            if meta.checksum != rec.checksum or checksum(view) != rec.checksum:
+                raise IntegrityError(f"{src.name}: checksum mismatch for {key.hex}")
+            if not rec.alive:
+                return None
+            dram.commit(rec.meta())
+            committed = True
+        except TierError as exc:
+            state.tier_error(src.name, f"read of {key.hex[:16]}", exc)
+            if isinstance(exc, IntegrityError | ChunkMissing):
+                await state.delete_copy(rec, src.name)
+                state.drop_if_gone(rec)
+            return None
+        finally:
+            if not committed:
+                dram.abort(key)
+        state.index.add_tier(rec, dram.name)
+        state.counters[dram.name].bytes_in += rec.size
+        state.counters[src.name].bytes_out += rec.size
+        return True
 
     async def put_with_room(self, j: int, meta: ChunkMeta, data: Buffer) -> None:
         """Store ``data`` in tier ``j``, making room first if needed; raises TierError."""

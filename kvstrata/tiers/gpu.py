@@ -67,7 +67,9 @@ class GpuConfig:
     @classmethod
     def from_config(cls, cfg: Any) -> GpuConfig:
         """Build from a :class:`kvstrata.config.Config`."""
-        return cls(device=cfg.gpu_device, capacity=cfg.gpu_capacity)
+        return cls(
+            device=cfg.gpu_device, capacity=cfg.gpu_capacity, copy_threads=cfg.gpu_copy_threads
+        )
 
     @property
     def region_name(self) -> str:
@@ -261,6 +263,26 @@ class GpuTier(MemoryTier):
         """Run ``use(memory, offset)`` on the copy executor over the committed chunk; its slot
         is not reused until ``use`` returns, even if the chunk is deleted meanwhile."""
         slot = self._lookup(key)
+        await self._read_slot(slot, use)
+        assert slot.meta is not None
+        return slot.meta
+
+    async def get_reserved(self, key: ChunkKey, out: memoryview) -> None:
+        """Copy a reserved, not yet committed slot into a host buffer (device → host).
+
+        KV.COMMIT of a chunk written into the GPU uses it to checksum the bytes (and keep a
+        DRAM copy) before :meth:`commit`; an ``abort`` during the copy defers the free."""
+        dst = _byte_view(out)
+        slot = self._reserved.get(key)
+        if slot is None:
+            raise ChunkMissing(key)
+        if dst.nbytes < slot.length:
+            raise ValueError(f"buffer of {dst.nbytes} bytes for a {slot.length}-byte slot")
+        n = slot.length
+        await self._read_slot(slot, lambda mem, offset: mem.to_host(offset, dst[:n]))
+        self.stats.bytes_out += n
+
+    async def _read_slot(self, slot: _Slot, use: Callable[[DeviceMemory, int], T]) -> None:
         self._readers[slot.offset] = self._readers.get(slot.offset, 0) + 1
         started = time.perf_counter()
         try:
@@ -268,8 +290,6 @@ class GpuTier(MemoryTier):
         finally:
             self._end_read(slot.offset)
         self.stats.seconds_out += time.perf_counter() - started
-        assert slot.meta is not None
-        return slot.meta
 
     async def delete(self, key: ChunkKey) -> bool:
         slot = self._chunks.pop(key, None)

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import quote, unquote
 
 from kvstrata.protocol.errors import CommandError
@@ -281,6 +281,8 @@ class S3Tier(Tier):
 
     name = "s3"
     persistent = True
+    #: shared by every node of a cluster (the store's ``is_shared``)
+    shared: ClassVar[bool] = True
 
     def __init__(self, config: S3Config) -> None:
         super().__init__()

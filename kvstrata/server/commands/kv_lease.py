@@ -2,15 +2,20 @@
 
 A lease id is an unguessable capability over pinned memory; every lease has a TTL (``TTL ms``,
 default ``lease-ttl``) after which the server ends it. In KV.RESERVE, TTL is the lifetime of
-the write lease (the time to write and commit), not an expiry of the chunk. In KV.LEASE a hash
-equal to ``TTL`` must not be second to last.
+the write lease (the time to write and commit), not an expiry of the chunk.
+
+``TIER gpu|dram`` chooses where the handles point. KV.LEASE defaults to the fastest shareable
+tier (``gpu`` when the server has a GPU tier) and falls back to DRAM per chunk when the GPU
+cannot take it, so a lease may mix ``cuda`` and ``shm`` handles; a client without CUDA sends
+``TIER dram``. KV.RESERVE defaults to ``dram``. In KV.LEASE a hash equal to ``TTL`` or
+``TIER`` must not be second to last.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvstrata.protocol.errors import LeaseError
+from kvstrata.protocol.errors import CommandError, LeaseError
 from kvstrata.protocol.frames import OK
 from kvstrata.server.commands.connection import arg_bytes
 from kvstrata.server.commands.kv import (
@@ -29,11 +34,20 @@ from kvstrata.store.keys import validate_hash, validate_namespace, validate_pare
 
 LEASE_TTL_MAX = 86_400_000
 TTL = Arg("ttl", "integer", optional=True, token="TTL")
+TIER = Arg("tier", "string", optional=True, token="TIER")
 LEASE = Arg("lease", "string")
+_TIERS = ("gpu", "dram")
 
 
 def _lease_ttl(arg: Any) -> int:
     return int_option(arg, "TTL", 1, LEASE_TTL_MAX)
+
+
+def _tier(arg: Any) -> str:
+    name = arg_bytes(arg).decode("utf-8", "replace").lower()
+    if name not in _TIERS:
+        raise CommandError(f"invalid TIER '{name[:32]}': must be gpu or dram")
+    return name
 
 
 def _handle(h: Any) -> list[Any]:
@@ -53,22 +67,31 @@ def _lease_id(arg: Any) -> str:
     -3,
     "write",
     group="kv",
-    summary="Zero-copy read: promotes the leading cached chunks into DRAM, pins them and "
-    "returns a handle (region, offset, length) for each, stopping at the first miss.",
+    summary="Zero-copy read: promotes the leading cached chunks into a shareable tier (TIER "
+    "gpu or dram; default gpu when the server has a GPU tier, else dram; a chunk the GPU cannot "
+    "take is leased from DRAM), pins them and returns a handle (region, offset, length) for "
+    "each, stopping at the first miss.",
     complexity="O(N) hashes",
-    arguments=(NS, HASHES, TTL),
+    arguments=(NS, HASHES, TTL, TIER),
     reply="Array: [lease id or null, [[region, offset, length], ...]] (null and an empty list "
     "when the first chunk is not cached).",
 )
 async def kv_lease(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     end = len(args)
-    ttl = None
-    if end >= 5 and arg_bytes(args[end - 2]).upper() == b"TTL":
-        ttl = _lease_ttl(args[end - 1])
+    ttl: int | None = None
+    tier: str | None = None
+    while end >= 5:
+        word = arg_bytes(args[end - 2]).upper() if len(args[end - 2]) <= 4 else b""
+        if word == b"TTL" and ttl is None:
+            ttl = _lease_ttl(args[end - 1])
+        elif word == b"TIER" and tier is None:
+            tier = _tier(args[end - 1])
+        else:
+            break
         end -= 2
     hashes = check_hashes(args[2:end])
-    lease = await store_of(ctx).lease(ns, hashes, ttl)
+    lease = await store_of(ctx).lease(ns, hashes, ttl, tier)
     if lease is None:
         return [None, []]
     return [lease.id, [_handle(h) for h in lease.handles]]
@@ -79,8 +102,9 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
     -5,
     "write denyoom",
     group="kv",
-    summary="Zero-copy write: reserves an invisible DRAM slot of nbytes and returns a write "
-    "lease with its handle; KV.COMMIT publishes it. TTL is the lease's lifetime in ms.",
+    summary="Zero-copy write: reserves an invisible slot of nbytes (in DRAM; TIER gpu: in the "
+    "GPU pool, or DRAM when it has no room) and returns a write lease with its handle; "
+    "KV.COMMIT publishes it. TTL is the lease's lifetime in ms.",
     arguments=(
         NS,
         HASH,
@@ -88,6 +112,7 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
         Arg("nbytes", "integer"),
         Arg("tokens", "integer", optional=True, token="TOKENS"),
         TTL,
+        TIER,
     ),
     reply="Array: [lease id, [region, offset, length]].",
 )
@@ -97,10 +122,18 @@ async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
     parent = validate_parent(args[3])
     nbytes = int_option(args[4], "nbytes", 1, 2**62)
     opts = parse_options(
-        args, 5, {b"TOKENS": lambda a: int_option(a, "TOKENS", 0, 2**31 - 1), b"TTL": _lease_ttl}
+        args,
+        5,
+        {
+            b"TOKENS": lambda a: int_option(a, "TOKENS", 0, 2**31 - 1),
+            b"TTL": _lease_ttl,
+            b"TIER": _tier,
+        },
     )
     store = store_of(ctx)
-    lease = await store.reserve(ns, h, parent, nbytes, opts.get(b"TOKENS", 0), opts.get(b"TTL"))
+    lease = await store.reserve(
+        ns, h, parent, nbytes, opts.get(b"TOKENS", 0), opts.get(b"TTL"), opts.get(b"TIER")
+    )
     return [lease.id, _handle(lease.handle)]
 
 
@@ -109,8 +142,9 @@ async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
     2,
     "write",
     group="kv",
-    summary="Publishes a reserved chunk: its checksum is computed over the written bytes, then "
-    "it becomes visible (and is written to write-through tiers).",
+    summary="Publishes a reserved chunk: its checksum is computed over the written bytes (a "
+    "GPU slot is first copied to DRAM), then it becomes visible (and is written to "
+    "write-through tiers).",
     arguments=(LEASE,),
     reply="Simple string OK; -NOLEASE for an unknown, expired or read lease.",
 )

@@ -7,7 +7,8 @@
 - ``KV.PREFETCH ns SESSION session [TO tier] [DEADLINE ms]``: the session's recorded chain;
 - ``KV.PREFETCH ns CANCEL id``: takes a queued request out of the queue.
 
-The target defaults to ``dram``; ``TO nvme`` copies chunks held only in s3 to the local disk.
+The target defaults to ``dram``; ``TO gpu`` promotes into the GPU tier (as ``KV.LEASE … TIER
+gpu`` does); ``TO nvme`` copies chunks held only in s3 to the local disk.
 In the chain form a hash equal to ``TO`` or ``DEADLINE`` must not be second to last, and the
 first hash must not be ``SESSION`` or ``CANCEL`` when exactly one more argument follows.
 """
@@ -84,9 +85,9 @@ def _trailing_options(args: Args, first: int) -> tuple[int, str | None, int | No
     "write fast",
     group="kv",
     summary="Queues the background promotion of a chain (or of a session's chain with "
-    "SESSION) toward a fast tier (TO, default dram) and returns at once. DEADLINE (ms) marks "
-    "the request late when it is not done in time; CANCEL id takes a request out of the queue. "
-    "INFO prefetch shows the queue.",
+    "SESSION) toward a fast tier (TO dram, the default, gpu, or nvme) and returns at once. "
+    "DEADLINE (ms) marks the request late when it is not done in time; CANCEL id takes a "
+    "request out of the queue. INFO prefetch shows the queue.",
     complexity="O(N) hashes",
     arguments=(
         NS,
