@@ -1,0 +1,115 @@
+"""Configuration: TOML < environment < flags, validation messages, CONFIG GET/SET, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvstrata.config import ConfigError, format_size, load_config, option_names, parse_size
+from tests.conftest import RunningServer
+
+
+def test_precedence_flags_over_env_over_toml(tmp_path: Path) -> None:
+    toml = tmp_path / "kvstrata.toml"
+    toml.write_text('port = 7000\ndram_capacity = "2GiB"\nloglevel = "warning"\n')
+    env = {"KVSTRATA_PORT": "7100", "KVSTRATA_DRAM_CAPACITY": "3GiB", "HOME": "/x"}
+    cfg = load_config(flags={"port": "7200"}, env=env, config_file=toml)
+    assert cfg.port == 7200  # flag
+    assert cfg.dram_capacity == 3 * 1024**3  # environment over file
+    assert cfg.loglevel == "warning"  # file over default
+    assert cfg.bind == "127.0.0.1"  # default
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"port": "70000"}, "invalid value for 'port': 70000 is out of range"),
+        ({"dram-capacity": "lots"}, "invalid value for 'dram-capacity': 'lots' is not a size"),
+        ({"bind": "example.com"}, "invalid value for 'bind': 'example.com' is not an IP"),
+        ({"protected-mode": "maybe"}, "invalid value for 'protected-mode': 'maybe' is not a bool"),
+        (
+            {"dram-low-watermark": "0.99", "dram-high-watermark": "0.5"},
+            "invalid value for 'dram-low-watermark'",
+        ),
+        ({"tls-port": "6380"}, "invalid value for 'tls-port': needs tls-cert-file"),
+    ],
+)
+def test_bad_values_name_the_key(flags: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(flags=flags, env={})
+    assert message in str(info.value)
+
+
+def test_unknown_keys(tmp_path: Path) -> None:
+    toml = tmp_path / "bad.toml"
+    toml.write_text("dram_capacityy = 1\n")
+    with pytest.raises(ConfigError, match="unknown key 'dram-capacityy'"):
+        load_config(env={}, config_file=toml)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(env={}, config_file=tmp_path / "missing.toml")
+    # foreign KVSTRATA_* variables are ignored, not fatal
+    assert load_config(env={"KVSTRATA_SOMETHING_ELSE": "1"}).port == 7379
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("0", 0), ("65536", 65536), ("4GiB", 4 * 1024**3), ("512mb", 512 * 10**6),
+     ("1.5KiB", 1536), ("2 MiB", 2 * 1024**2)],
+)  # fmt: skip
+def test_sizes(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+def test_format_size_round_trips() -> None:
+    for n in (0, 1, 4096, 3 * 1024**2, 5 * 1024**3):
+        assert parse_size(format_size(n)) == n
+
+
+def test_config_get_all_and_set(server: RunningServer) -> None:
+    r = redis.Redis(port=server.port, protocol=3, decode_responses=True)
+    every = r.config_get("*")
+    assert set(option_names()) - {"requirepass"} <= set(every)
+    assert every["dram-capacity"] == "64MiB" and every["port"] == "0"
+    assert r.config_set("timeout", 5) and r.config_get("timeout") == {"timeout": "5"}
+    with pytest.raises(redis.ResponseError, match="immutable"):
+        r.config_set("port", 1234)
+
+
+def test_idle_timeout_closes_idle_clients(make_server) -> None:
+    srv = make_server(timeout=1)
+    idle = redis.Redis(port=srv.port)
+    assert idle.ping()
+    before = set(srv.server.clients)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and set(srv.server.clients) & before:
+        time.sleep(0.2)
+    assert not set(srv.server.clients) & before  # the idle connection was closed
+
+
+def test_cli_version_and_help() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvstrata", "version"], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.startswith("kvstrata ")
+    serve_help = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "serve", "--help"], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert "--dram-capacity" in serve_help.stdout and "--requirepass" in serve_help.stdout
+
+
+def test_unwritable_data_dir_stops_startup(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "serve", "--port", "0",
+         "--data-dir", str(blocker / "sub")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "cannot start" in proc.stderr and "data-dir" in proc.stderr
+    assert "Traceback" not in proc.stderr
