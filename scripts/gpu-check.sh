@@ -71,7 +71,7 @@ EOF
 
 echo "== GPU tests (pytest -m gpu)"
 tests_rc=0
-timeout 270 "$PY" -m pytest -m gpu tests/test_gpu_tier.py -q -rs -p no:cacheprovider \
+timeout 270 "$PY" -m pytest -m gpu tests/test_gpu_tier.py tests/test_store_gpu.py -q -rs -p no:cacheprovider \
   2>&1 | tee "$OUTDIR/gpu-tests.log" || tests_rc=$?
 if grep -q "needs CUDA" "$OUTDIR/gpu-tests.log"; then
   echo "gpu-check: tests were skipped for lack of CUDA although torch sees a GPU" >&2
