@@ -30,7 +30,7 @@ from kvstrata.store.kvstore_gpu import GpuPath
 from kvstrata.store.kvstore_prefetch import PrefetchPath
 from kvstrata.store.kvstore_read import Payload, ReadPath
 from kvstrata.store.kvstore_remote import RemotePath
-from kvstrata.store.kvstore_state import StoreState, is_shared
+from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_shared
 from kvstrata.store.kvstore_write import StoreSink, WritePath
 from kvstrata.store.leases import Lease, ReadLease, WriteLease, run_sweeper
 from kvstrata.store.placement import Placement
@@ -38,7 +38,7 @@ from kvstrata.tiers.base import MemoryTier, Region, Tier
 
 log = logging.getLogger("kvstrata.store")
 
-__all__ = ["KVStore", "Payload", "StoreSink"]
+__all__ = ["NOT_NOW", "KVStore", "NotNow", "Payload", "StoreSink"]
 
 
 class KVStore:
@@ -186,6 +186,13 @@ class KVStore:
     ) -> bool:
         return await self.writes.put(ns, hash, parent, payload, tokens, ttl_ms, nx, sink)
 
+    def put_sink_now(
+        self, ns: str, hash: bytes, parent: bytes, tokens: int, ttl_ms: int | None, sink: Any
+    ) -> bool | NotNow:
+        """Publish a payload received into its DRAM slot (``reserve_put``) without awaiting;
+        NOT_NOW when a write-through tier must take it first (use :meth:`put`)."""
+        return self.writes.put_sink_now(ns, hash, parent, tokens, ttl_ms, sink)
+
     async def reserve(
         self, ns: str, hash: bytes, parent: bytes, nbytes: int, tokens: int = 0,
         ttl_ms: int | None = None, tier: str | None = None,
@@ -201,6 +208,10 @@ class KVStore:
         self.writes.abort(lease_id)
 
     # -- reads -------------------------------------------------------------------------------------
+
+    def get_now(self, ns: str, hash: bytes) -> Payload | NotNow | None:
+        """KV.GET without awaiting when possible (a DRAM hit); NOT_NOW: use :meth:`get`."""
+        return self.reads.get_now(ns, hash)
 
     async def get(self, ns: str, hash: bytes) -> Payload | None:
         return await self.reads.get(ns, hash)

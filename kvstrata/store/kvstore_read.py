@@ -26,7 +26,7 @@ from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.kvstore_gpu import GpuPath
 from kvstrata.store.kvstore_remote import RemotePath
-from kvstrata.store.kvstore_state import StoreState
+from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState
 from kvstrata.store.leases import ReadLease, deadline_after
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import (
@@ -83,6 +83,34 @@ class ReadPath:
         return release
 
     # -- KV.GET ----------------------------------------------------------------------------------
+
+    def get_now(self, ns: str, hash: bytes) -> Payload | NotNow | None:
+        """KV.GET without awaiting when nothing needs I/O: a DRAM hit on top of the hierarchy,
+        or a miss with no shared tier to ask. :data:`NOT_NOW` means: use :meth:`get`."""
+        state = self.state
+        dram = state.dram
+        if dram is None or state.tiers[0] is not dram:
+            return NOT_NOW
+        rec = state.live(ChunkKey(ns, hash))
+        if rec is None:
+            if state.remote is not None:
+                return NOT_NOW
+            for tier in state.tiers:
+                state.counters[tier.name].misses += 1
+            return None
+        if rec.moving or dram.name not in rec.tiers:
+            return NOT_NOW
+        try:
+            view = dram.view(rec.key)
+        except TierError:
+            return NOT_NOW  # the slow path records and repairs it
+        rec.touch()
+        rec.hits += 1
+        state.pin(rec)
+        counters = state.counters[dram.name]
+        counters.hits += 1
+        counters.bytes_out += rec.size
+        return Payload(view, self._unpinner(rec))
 
     async def get(self, ns: str, hash: bytes) -> Payload | None:
         key = ChunkKey(ns, hash)

@@ -37,6 +37,15 @@ from kvstrata.store.leases import LeaseTable
 from kvstrata.tiers.base import MemoryTier, Tier, TierError
 from kvstrata.tiers.gpu import GpuTier
 
+
+class NotNow:
+    """The answer needs tier I/O: call the async form of the operation."""
+
+    __slots__ = ()
+
+
+NOT_NOW = NotNow()
+
 log = logging.getLogger("kvstrata.store")
 
 #: Tier names in fast → slow order; unknown names sort after them in the given order.

@@ -21,7 +21,7 @@ from kvstrata.store.index import record_from_meta
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.keyspace import now_ms
 from kvstrata.store.kvstore_gpu import GpuPath, GpuSink
-from kvstrata.store.kvstore_state import StoreState, is_shared
+from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_shared
 from kvstrata.store.leases import WriteLease, deadline_after
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import Buffer, Handle, TierError, TierFull
@@ -117,8 +117,7 @@ class WritePath:
     ) -> bool:
         key = ChunkKey(ns, hash)
         if sink is not None:
-            if not isinstance(sink, StoreSink) or sink.key != key or sink.done:
-                raise CommandError("payload sink does not belong to this chunk")
+            _check_sink(sink, key)
             sink.consume()
             try:
                 await self.commit_new(key, parent, tokens, ttl_ms, sink.view, sink)
@@ -149,6 +148,27 @@ class WritePath:
             state.release_claim(key)
         return True
 
+    def put_sink_now(
+        self, ns: str, hash: bytes, parent: bytes, tokens: int, ttl_ms: int | None, sink: Any
+    ) -> bool | NotNow:
+        """Publish a payload already received into its DRAM slot without awaiting, when no
+        other tier must take the bytes first (no write-through below DRAM); else NOT_NOW."""
+        dram = self.state.dram
+        if dram is None or any(
+            self.state.tiers[j] is not dram for j in self.placement.write_through_tiers()
+        ):
+            return NOT_NOW
+        key = ChunkKey(ns, hash)
+        _check_sink(sink, key)
+        sink.consume()
+        try:
+            meta = ChunkMeta(key, parent, tokens, sink.view.nbytes, checksum(sink.view))
+            dram.commit(meta)
+            self._publish(meta, [dram.name], ttl_ms, sink)
+        finally:
+            sink.abort()
+        return True
+
     def _refresh(self, rkey: bytes, ttl_ms: int | None) -> None:
         self.state.keyspace.set_expire(rkey, None if ttl_ms is None else now_ms() + ttl_ms)
 
@@ -171,6 +191,16 @@ class WritePath:
                 if name != "dram":
                     await self._undo(key, name)
             raise
+        self._publish(meta, placed, ttl_ms, sink)
+
+    def _publish(
+        self,
+        meta: ChunkMeta,
+        placed: list[str],
+        ttl_ms: int | None,
+        sink: StoreSink | GpuSink | None,
+    ) -> None:
+        """Make a placed chunk visible (index, keyspace) and account for it."""
         rec = record_from_meta(meta, None if ttl_ms is None else now_ms() + ttl_ms)
         rec.tiers = set(placed)
         self.state.publish(rec)
@@ -340,3 +370,8 @@ class WritePath:
 
     def end_write_lease(self, lease: WriteLease) -> None:
         lease.sink.abort()
+
+
+def _check_sink(sink: Any, key: ChunkKey) -> None:
+    if not isinstance(sink, StoreSink) or sink.key != key or sink.done:
+        raise CommandError("payload sink does not belong to this chunk")

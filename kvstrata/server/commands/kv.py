@@ -17,6 +17,7 @@ from kvstrata.server.commands.connection import arg_bytes, parse_int
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.keys import MAX_HASH_BYTES, validate_hash, validate_namespace, validate_parent
+from kvstrata.store.kvstore import NOT_NOW
 
 NS = Arg("namespace", "string")
 HASH = Arg("hash", "string")
@@ -126,7 +127,7 @@ _PUT_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
     "-OOM when it fits in no tier.",
     sink=_put_sink,
 )
-async def kv_put(ctx: Ctx, args: Args) -> Reply:
+def kv_put(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     h = validate_hash(args[2])
     parent = validate_parent(args[3])
@@ -136,10 +137,19 @@ async def kv_put(ctx: Ctx, args: Args) -> Reply:
     payload = args[4] if sink is None else sink.view
     if not memoryview(payload).nbytes:
         raise CommandError("invalid payload: empty")
-    stored = await store.put(
-        ns, h, parent, payload, opts.get(b"TOKENS", 0), opts.get(b"TTL"), b"NX" in opts, sink
-    )
-    return 1 if stored else 0
+    tokens, ttl = opts.get(b"TOKENS", 0), opts.get(b"TTL")
+    if sink is not None:  # the payload is already in its arena slot: usually nothing to await
+        done = store.put_sink_now(ns, h, parent, tokens, ttl, sink)
+        if done is not NOT_NOW:
+            return 1
+    return _put_slow(store, ns, h, parent, payload, tokens, ttl, b"NX" in opts, sink)
+
+
+async def _put_slow(
+    store: Any, ns: str, h: bytes, parent: bytes, payload: Any, tokens: int,
+    ttl: int | None, nx: bool, sink: Any,
+) -> Reply:  # fmt: skip
+    return 1 if await store.put(ns, h, parent, payload, tokens, ttl, nx, sink) else 0
 
 
 # -- KV.GET / KV.MGET ----------------------------------------------------------------------------
@@ -158,10 +168,18 @@ def _reply(payload: Any) -> Reply:
     arguments=(NS, HASH),
     reply="Bulk string: the payload, or null when the chunk is not cached.",
 )
-async def kv_get(ctx: Ctx, args: Args) -> Reply:
+def kv_get(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     h = validate_hash(args[2])
-    return _reply(await store_of(ctx).get(ns, h))
+    store = store_of(ctx)
+    payload = store.get_now(ns, h)
+    if payload is NOT_NOW:
+        return _get_slow(store, ns, h)  # a coroutine: the connection awaits it, in order
+    return _reply(payload)
+
+
+async def _get_slow(store: Any, ns: str, h: bytes) -> Reply:
+    return _reply(await store.get(ns, h))
 
 
 @command(
