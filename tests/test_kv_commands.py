@@ -209,3 +209,28 @@ def test_bad_arguments_change_nothing() -> None:
             )
 
     run(main())
+
+
+def test_dram_hits_and_arena_puts_answer_without_a_task() -> None:
+    """Scenario: KV.GET of a DRAM chunk, a plain miss, and a KV.PUT whose payload already sits
+    in its arena slot are answered by the handler itself (no coroutine, so no task per
+    command); a PUT whose payload is not in a slot yet still goes through the async path."""
+
+    async def scenario() -> None:
+        async with with_ctx() as ctx:
+            spec = ctx.server.registry.lookup(b"KV.PUT")
+            sink = spec.sink(ctx, [b"KV.PUT", NS, b"fast", b""], 100_000)
+            assert sink is not None
+            sink.view[:] = b"f" * 100_000
+            ctx.sinks[4] = sink
+            put = ctx.call("KV.PUT", NS, b"fast", b"", sink.view)
+            assert put == 1  # an int, not a coroutine
+            ctx.sinks = {}
+            got = ctx.call("KV.GET", NS, b"fast")
+            assert not inspect.isawaitable(got) and body(got) == b"f" * 100_000
+            miss = ctx.call("KV.GET", NS, b"nope")
+            assert miss is None
+            small = ctx.call("KV.PUT", NS, b"small", b"", b"x")  # no sink: async path
+            assert inspect.isawaitable(small) and await small == 1
+
+    run(scenario())
