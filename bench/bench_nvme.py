@@ -1,14 +1,19 @@
 """NVMe tier throughput against fio --direct=1 on the same folder, and index rebuild time.
 
-    python bench/bench_nvme.py --dir /tmp/x [--sizes 1,8,32] [--total-mib 512]
-                               [--threads 4] [--scan-counts 10000,100000]
+    python bench/bench_nvme.py --dir /tmp/x [--sizes 1,8,32] [--total-mib 512] [--threads 4]
+                               [--in-flight N] [--fsync always,batch,never] [--repeat 3]
+                               [--scan-counts 10000,100000]
 
-For each chunk size: the tier writes ``--total-mib`` of chunks (each a file: temp file, O_DIRECT
-writes, fsync, rename, folder fsync) with ``--threads`` puts in flight, then reads them all back
+For each chunk size and ``nvme-fsync`` policy: the tier writes ``--total-mib`` of chunks (each a
+file: temp file, O_DIRECT writes, rename, and the policy's syncs) on ``--threads`` io threads
+with ``--in-flight`` puts awaited at once (default: as many as threads; more let ``batch``
+group its syncs while the disk still sees ``--threads`` writes), then reads them all back
 (checksum verified). fio runs in the same folder with the same block size and job count,
-``--direct=1 --ioengine=psync``, once plain and once with ``--fsync=1`` (an fsync after every
-block, what the tier does per chunk). The rebuild part lays out N small chunk files with the
-tier's format and times ``scan()`` of a fresh tier (page cache dropped first when allowed).
+``--direct=1 --ioengine=psync``, plain (read and write) and with ``--fsync=1`` (an fsync after
+every block). The runs alternate (tier under every policy, then
+fio) ``--repeat`` times and the table gives medians: the disk of a shared VM swings by ±50 %.
+The rebuild part lays out N small chunk files with the tier's format and times ``scan()`` of a
+fresh tier ``--repeat`` times (page cache dropped first when allowed).
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -27,6 +34,7 @@ import numpy as np
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_format as fmt
+from kvstrata.tiers._nvme_sync import POLICIES
 from kvstrata.tiers.checksum import checksum
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
 
@@ -37,16 +45,19 @@ def aligned(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, nbytes))
 
 
-async def tier_rw(folder: Path, size: int, count: int, threads: int) -> tuple[float, float, str]:
+async def tier_rw(
+    folder: Path, size: int, count: int, threads: int, policy: str, in_flight: int = 0
+) -> tuple[float, float, str]:
     """(write GB/s, read GB/s, io mode) of the tier for ``count`` chunks of ``size`` bytes."""
-    tier = NvmeTier(NvmeConfig(str(folder), capacity=1 << 50, io_threads=threads))
+    config = NvmeConfig(str(folder), capacity=1 << 50, io_threads=threads, fsync=policy)
+    tier = NvmeTier(config)
     src = aligned(size)
     src[:] = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     csum = checksum(src)
     metas = [
         ChunkMeta(ChunkKey("bench", i.to_bytes(8, "big")), b"", i, size, csum) for i in range(count)
     ]
-    sem = asyncio.Semaphore(threads)
+    sem = asyncio.Semaphore(in_flight or threads)
 
     async def put(meta: ChunkMeta) -> None:
         async with sem:
@@ -55,8 +66,8 @@ async def tier_rw(folder: Path, size: int, count: int, threads: int) -> tuple[fl
     started = time.perf_counter()
     await asyncio.gather(*(put(m) for m in metas))
     write = size * count / (time.perf_counter() - started) / 1e9
-    outs = [aligned(size) for _ in range(threads)]
-    free = list(range(threads))
+    outs = [aligned(size) for _ in range(in_flight or threads)]
+    free = list(range(in_flight or threads))
 
     async def get(meta: ChunkMeta) -> None:
         async with sem:
@@ -121,44 +132,71 @@ async def timed_scan(folder: Path, threads: int) -> tuple[float, int]:
     return seconds, found
 
 
+def rw_table(a: argparse.Namespace, policies: list[str]) -> None:
+    """Median GB/s per size of the tier under each policy and of fio, runs alternated."""
+    head = f"{'op':<6}{'chunk':>6}{'fio':>7}{'fio+fsync':>10}"
+    head += "".join(f"{p:>9}{'ratio':>6}" for p in policies)
+    flight = a.in_flight or a.threads
+    print(f"GB/s, median of {a.repeat} alternated runs; ratio = tier / plain fio; {a.threads} io "
+          f"threads = fio jobs, {flight} tier ops in flight\n{head}")  # fmt: skip
+    for mib in (int(s) for s in a.sizes.split(",") if s):
+        size, count = mib * MiB, max(a.threads, a.total_mib // mib)
+        runs: dict[str, list[float]] = {}
+        mode = ""
+        for _ in range(a.repeat):
+            for policy in policies:
+                tier_dir = a.dir / f"tier-{mib}-{policy}"
+                args = (tier_dir, size, count, a.threads, policy, a.in_flight)
+                w, r, mode = asyncio.run(tier_rw(*args))
+                runs.setdefault(f"write {policy}", []).append(w)
+                runs.setdefault(f"read {policy}", []).append(r)
+                shutil.rmtree(tier_dir)
+            if a.skip_fio:
+                continue
+            fio_dir = a.dir / f"fio-{mib}"
+            for op, sync in (("write", False), ("read", False), ("write", True)):
+                got = fio(fio_dir, op, size, size * count, a.threads, fsync=sync)
+                runs.setdefault(f"{op} fio{'+fsync' if sync else ''}", []).append(got)
+            shutil.rmtree(fio_dir, ignore_errors=True)
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        for op in ("write", "read"):
+            plain = med.get(f"{op} fio", math.nan)
+            synced = med.get("write fio+fsync", math.nan) if op == "write" else math.nan
+            row = f"{op:<6}{mib:>4}Mi{plain:>7.2f}{synced:>10.2f}"
+            for policy in policies:
+                got = med[f"{op} {policy}"]
+                row += f"{got:>9.2f}{got / plain:>6.2f}"
+            print(f"{row}  {mode}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", required=True, type=Path, help="folder on the disk to measure")
     p.add_argument("--sizes", default="1,8,32", help="chunk sizes in MiB")
     p.add_argument("--total-mib", type=int, default=512, help="bytes moved per size and test")
     p.add_argument("--threads", type=int, default=4, help="io threads = puts in flight = fio jobs")
+    p.add_argument(
+        "--in-flight", type=int, default=0, help="puts/gets in flight (default: --threads)"
+    )
+    p.add_argument("--fsync", default=",".join(POLICIES), help="nvme-fsync policies to run")
+    p.add_argument("--repeat", type=int, default=3, help="alternated runs per size (median)")
     p.add_argument("--scan-counts", default="10000,100000", help="chunk counts for scan()")
     p.add_argument("--skip-fio", action="store_true")
     a = p.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
-    print(f"{'op':<6}{'chunk':>7}{'tier GB/s':>11}{'fio GB/s':>10}{'ratio':>7}{'fio+fsync':>11}"
-          f"{'ratio':>7}  tier io")  # fmt: skip
-    for mib in (int(s) for s in a.sizes.split(",") if s):
-        size, count = mib * MiB, max(a.threads, a.total_mib // mib)
-        tier_dir, fio_dir = a.dir / f"tier-{mib}", a.dir / f"fio-{mib}"
-        w, r, mode = asyncio.run(tier_rw(tier_dir, size, count, a.threads))
-        for op, got in (("write", w), ("read", r)):
-            if a.skip_fio:
-                print(f"{op:<6}{mib:>5}Mi{got:>11.2f}{'-':>10}{'-':>7}{'-':>11}{'-':>7}  {mode}")
-                continue
-            plain = fio(fio_dir, op, size, size * count, a.threads, fsync=False)
-            synced = (
-                fio(fio_dir, op, size, size * count, a.threads, fsync=True)
-                if op == "write"
-                else plain
-            )
-            print(f"{op:<6}{mib:>5}Mi{got:>11.2f}{plain:>10.2f}{got / plain:>7.2f}"
-                  f"{synced:>11.2f}{got / synced:>7.2f}  {mode}")  # fmt: skip
-        shutil.rmtree(tier_dir)
-        shutil.rmtree(fio_dir, ignore_errors=True)
+    policies = [x for x in a.fsync.split(",") if x]
+    if a.sizes:
+        rw_table(a, policies)
     print(f"\n{'scan chunks':>12}{'seconds':>10}{'chunks/s':>11}  cache")
     for count in (int(c) for c in a.scan_counts.split(",") if c):
         folder = a.dir / f"scan-{count}"
         lay_out(folder, count, 1024)
-        cold = drop_caches()
-        seconds, found = asyncio.run(timed_scan(folder, a.threads))
-        assert found == count, (found, count)
-        print(f"{count:>12}{seconds:>10.2f}{count / seconds:>11.0f}  {'cold' if cold else 'warm'}")
+        for _ in range(a.repeat):
+            cold = drop_caches()
+            seconds, found = asyncio.run(timed_scan(folder, a.threads))
+            assert found == count, (found, count)
+            rate = count / seconds
+            print(f"{count:>12}{seconds:>10.2f}{rate:>11.0f}  {'cold' if cold else 'warm'}")
         shutil.rmtree(folder)
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_format as fmt
+from kvstrata.tiers._nvme_sync import POLICIES
 from kvstrata.tiers.base import IntegrityError, TierIOError, TierUnavailable, build_tier
 from kvstrata.tiers.checksum import checksum
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
@@ -294,7 +295,8 @@ _WRITER = textwrap.dedent(
     from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
 
     async def main():
-        tier = NvmeTier(NvmeConfig(sys.argv[1], capacity=1 << 34, io_threads=2))
+        config = NvmeConfig(sys.argv[1], capacity=1 << 34, io_threads=2, fsync=sys.argv[2])
+        tier = NvmeTier(config)
         i = 0
         while True:
             size = 4096 * (1 + i % 7) * 37 + i
@@ -309,13 +311,17 @@ _WRITER = textwrap.dedent(
 )
 
 
-def test_kill_9_during_write_burst_keeps_only_complete_chunks(tmp_path: Path) -> None:
-    """A writer is killed with SIGKILL mid-burst; a restart serves every acknowledged chunk
-    intact, and every chunk scan() reports verifies byte for byte."""
+@pytest.mark.parametrize("policy", POLICIES)
+def test_kill_9_during_write_burst_keeps_only_complete_chunks(tmp_path: Path, policy: str) -> None:
+    """A writer is killed with SIGKILL mid-burst, under every fsync policy; a restart serves
+    every acknowledged chunk intact, and every chunk scan() reports verifies byte for byte."""
     root = tmp_path / "nvme"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(root)], stdout=subprocess.PIPE, env=env, text=True
+        [sys.executable, "-c", _WRITER, str(root), policy],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
     )
     assert proc.stdout is not None
     acked = [int(proc.stdout.readline()) for _ in range(25)]
@@ -336,3 +342,90 @@ def test_kill_9_during_write_burst_keeps_only_complete_chunks(tmp_path: Path) ->
         assert not list(root.glob("??/*.tmp"))
 
     run(root, check)
+
+
+class _FsyncCounter:
+    """Stands in for os.fsync: counts calls (from any thread), then syncs for real."""
+
+    def __init__(self, real: Callable[[int], None]) -> None:
+        self.real = real
+        self.calls = 0
+
+    def __call__(self, fd: int) -> None:
+        self.calls += 1
+        self.real(fd)
+
+
+@pytest.mark.parametrize("direct", ["auto", "no"])
+def test_fsync_policies_issue_the_syncs_they_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: str
+) -> None:
+    """always: file + folder per put, folder per delete. batch: one marker fsync per group
+    pass (plus one per file when writes are buffered), and a put returns only after its pass.
+    never: no fsync at all."""
+    counter = _FsyncCounter(os.fsync)
+    monkeypatch.setattr(os, "fsync", counter)
+    items = [chunk(i, 10_000 + i) for i in range(8)]
+
+    async def always(tier: NvmeTier) -> None:
+        counter.calls = 0
+        for meta, data in items[:3]:
+            await tier.put(meta, data)
+        assert counter.calls == 6
+        await tier.delete(items[0][0].key)
+        assert counter.calls == 7
+
+    async def batch(tier: NvmeTier) -> None:
+        per_file = 0 if tier.backend.direct else 1
+        counter.calls = 0
+        for n, (meta, data) in enumerate(items[:3], 1):
+            await tier.put(meta, data)  # alone: its own pass, finished before put returns
+            assert tier.info()["group_syncs"] == n and counter.calls == n * (1 + per_file)
+        counter.calls = 0
+        assert await tier.put_many(items[3:]) == [None] * 5
+        info = tier.info()
+        passes = info["group_syncs"] - 3
+        assert 1 <= passes <= 5 and info["group_synced"] == 8
+        assert counter.calls == passes + 5 * per_file
+        await tier.delete(items[0][0].key)
+        assert tier.info()["group_syncs"] == info["group_syncs"] + 1
+
+    async def never(tier: NvmeTier) -> None:
+        counter.calls = 0
+        await tier.put_many(items)
+        await tier.delete(items[0][0].key)
+        assert counter.calls == 0
+        assert tier.info()["fsync"] == "never"
+
+    for policy, body in (("always", always), ("batch", batch), ("never", never)):
+        run(tmp_path / policy, body, fsync=policy, direct=direct)
+
+
+def test_batch_sync_failure_is_an_error_and_leaves_no_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group sync fails (EIO): the put raises TierIOError, the unsynced file is removed and
+    the chunk is not indexed; the tier works again once syncs do."""
+
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    async def body(tier: NvmeTier) -> None:
+        meta, data = chunk(1, 30_000)
+        with monkeypatch.context() as m:
+            m.setattr(os, "fsync", broken)
+            with pytest.raises(TierIOError, match="EIO"):
+                await tier.put(meta, data)
+        assert not await tier.contains(meta.key) and tier.used == 0
+        assert chunk_files(tmp_path) == [] and tier.stats.extra["eio"] == 1
+        await tier.put(meta, data)
+        out = bytearray(meta.size)
+        await tier.get(meta.key, memoryview(out))
+        assert out == data
+
+    run(tmp_path, body, fsync="batch")
+
+
+def test_unknown_fsync_policy_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="nvme-fsync"):
+        NvmeConfig(str(tmp_path), fsync="sometimes")

@@ -14,6 +14,8 @@ through a per-thread page-aligned staging buffer. A file is then truncated to it
 from __future__ import annotations
 
 import errno
+import importlib.util
+import logging
 import mmap
 import os
 import threading
@@ -21,7 +23,11 @@ from typing import Protocol
 
 import numpy as np
 
+from kvstrata.tiers import _cuda
 from kvstrata.tiers._nvme_format import HEADER_SIZE
+from kvstrata.tiers.base import TierUnavailable
+
+log = logging.getLogger(__name__)
 
 BLOCK = 4096
 STAGING = 8 * 1024 * 1024
@@ -33,8 +39,9 @@ class Backend(Protocol):
     name: str
     direct: bool
 
-    def write_file(self, path: str, header: bytes, payload: memoryview) -> None:
-        """Create ``path`` (must not exist) with header and payload, fsync it."""
+    def write_file(self, path: str, header: bytes, payload: memoryview) -> int:
+        """Create ``path`` (must not exist) with header and payload, not synced; returns a
+        descriptor open on it (the caller fsyncs it as its policy says, and closes it)."""
 
     def read_file(self, path: str, out: memoryview) -> tuple[bytes, int]:
         """Header block and the payload bytes read into ``out`` (up to ``len(out)``)."""
@@ -99,7 +106,7 @@ class PosixBackend:
     def __init__(self, direct: bool) -> None:
         self.direct = direct
 
-    def write_file(self, path: str, header: bytes, payload: memoryview) -> None:
+    def write_file(self, path: str, header: bytes, payload: memoryview) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         fd = os.open(path, flags | (_O_DIRECT if self.direct else 0), 0o644)
         try:
@@ -111,9 +118,10 @@ class PosixBackend:
                 self._write_staged(fd, header, payload)
             if self.direct and len(payload) % BLOCK:
                 os.ftruncate(fd, HEADER_SIZE + len(payload))
-            os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
 
     def _write_direct(self, fd: int, header: bytes, payload: memoryview) -> None:
         stage = _staging()
@@ -195,7 +203,7 @@ class KvikioBackend:
     name = "kvikio"
     direct = True
 
-    def write_file(self, path: str, header: bytes, payload: memoryview) -> None:
+    def write_file(self, path: str, header: bytes, payload: memoryview) -> int:
         import kvikio
 
         with kvikio.CuFile(path, "w") as f:
@@ -206,11 +214,7 @@ class KvikioBackend:
                 futures.append(f.pwrite(body, len(body), HEADER_SIZE))
             for fut in futures:
                 fut.get()
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
     def read_file(self, path: str, out: memoryview) -> tuple[bytes, int]:
         import kvikio
@@ -222,6 +226,31 @@ class KvikioBackend:
                 return b"", 0
             got = int(f.pread(body, len(body), HEADER_SIZE).get()) if len(body) else 0
         return head.tobytes(), got
+
+
+def choose_backend(root: str, wanted: str, direct: str) -> tuple[Backend, str]:
+    """The backend for ``nvme-backend`` ``wanted`` and O_DIRECT setting ``direct``, and why."""
+    if wanted not in ("auto", "posix", "kvikio"):
+        raise TierUnavailable(f"nvme backend must be auto, posix or kvikio, not {wanted!r}")
+    if wanted != "posix":
+        why = None if importlib.util.find_spec("kvikio") else "kvikio is not installed"
+        why = why or _cuda.cuda_unavailable_reason()
+        if why is None:
+            return KvikioBackend(), "kvikio with CUDA"
+        if wanted == "kvikio":
+            raise TierUnavailable(f"nvme backend kvikio is not usable: {why}")
+    if direct == "no":
+        return PosixBackend(direct=False), "buffered (nvme direct=no)"
+    try:
+        usable, why = probe_direct(root)
+    except OSError as exc:
+        raise TierUnavailable(f"nvme-path {root} is not writable: {exc}") from exc
+    if not usable:
+        if direct == "yes":
+            raise TierUnavailable(f"nvme O_DIRECT requested but {why}")
+        log.info("nvme: %s at %s; using buffered I/O", why, root)
+        return PosixBackend(direct=False), f"buffered ({why})"
+    return PosixBackend(direct=True), "O_DIRECT"
 
 
 def probe_direct(folder: str) -> tuple[bool, str]:

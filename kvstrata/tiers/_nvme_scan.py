@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvstrata.store.keys import ChunkMeta
@@ -104,6 +105,16 @@ def scan_shard(root: str, shard: str, in_flight: Collection[str]) -> ShardResult
         else:
             result.found.append(checked)
     return result
+
+
+def scan_all(
+    root: str, shards: list[str], in_flight: Collection[str], threads: int, keep: Collection[str]
+) -> tuple[list[ShardResult], int]:
+    """Every shard folder on a short-lived pool of ``threads``, then the root folder (files
+    named in ``keep`` stay); the shard results and how many root files were quarantined."""
+    with ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-nvme-scan") as pool:
+        results = list(pool.map(lambda shard: scan_shard(root, shard, in_flight), shards))
+    return results, scan_root(root, keep.__contains__)
 
 
 def scan_root(root: str, keep: Callable[[str], bool]) -> int:

@@ -1,10 +1,12 @@
 """The NVMe tier: one checksummed file per chunk, written atomically, verified on every read.
 
 Files live under the tier folder as ``{2 hex}/{64 hex}.kvc`` (format in ``_nvme_format``).
-A write goes to a temporary file in the same folder, is fsynced, renamed over the final name
-and the folder is fsynced, so after kill -9 (or power loss) a chunk is either complete or
-absent. A read lands in the caller's buffer and is checked against the header's xxh3-128; a
-mismatch quarantines the file and raises :class:`IntegrityError` — wrong bytes never leave.
+A write goes to a temporary file in the same folder and is renamed over the final name, so after
+kill -9 a chunk is either complete or absent; the ``fsync`` policy (``_nvme_sync``: ``always``,
+``batch`` — the default, group commit —, ``never``) says when it is also power-loss durable, and
+a put returns only then. A read lands in the caller's buffer and is checked against the
+header's xxh3-128; a mismatch quarantines the file and raises :class:`IntegrityError` — wrong
+bytes never leave.
 
 I/O runs on a bounded thread pool (``io_threads``) through one of two backends with the same
 format: kvikio (when ``import kvikio`` works and CUDA is usable) or POSIX (O_DIRECT when the
@@ -20,36 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import importlib.util
-import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
-from kvstrata.tiers import _cuda, _nvme_scan
-from kvstrata.tiers._nvme_format import (
-    TMP_SUFFIX,
-    BadHeader,
-    chunk_digest,
-    decode_header,
-    encode_header,
-    file_bytes,
-)
-from kvstrata.tiers._nvme_io import (
-    Backend,
-    KvikioBackend,
-    PosixBackend,
-    probe_direct,
-    probe_writable,
-)
+from kvstrata.tiers import _nvme_scan
+from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt, unlink_quietly
+from kvstrata.tiers._nvme_format import file_bytes
+from kvstrata.tiers._nvme_io import PosixBackend, choose_backend, probe_writable
 from kvstrata.tiers._nvme_scan import QUARANTINE, RebuildReport
+from kvstrata.tiers._nvme_sync import POLICIES, SYNC_MARKER, GroupSync
 from kvstrata.tiers.base import (
     Buffer,
     ChunkMissing,
@@ -60,12 +48,10 @@ from kvstrata.tiers.base import (
     TierUnavailable,
     register_tier,
 )
-from kvstrata.tiers.checksum import checksum
 
 log = logging.getLogger(__name__)
 SHARDS = [f"{i:02x}" for i in range(256)]
 SCAN_THREADS = 16
-_tmp_numbers = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +64,11 @@ class NvmeConfig:
     io_threads: int = 4
     write_policy: str = "write-back"  # applied by the store; shown by INFO
     direct: str = "auto"  # POSIX backend: auto | yes | no (O_DIRECT)
+    fsync: str = "batch"  # always | batch | never: see _nvme_sync
+
+    def __post_init__(self) -> None:
+        if self.fsync not in POLICIES:
+            raise ValueError(f"nvme-fsync must be one of {', '.join(POLICIES)}, not {self.fsync!r}")
 
     @classmethod
     def from_config(cls, cfg: Any) -> NvmeConfig:
@@ -88,11 +79,8 @@ class NvmeConfig:
             backend=cfg.nvme_backend,
             io_threads=cfg.nvme_io_threads,
             write_policy=cfg.nvme_write_policy,
+            fsync=cfg.values.get("nvme-fsync", "batch"),
         )
-
-
-class _Corrupt(Exception):
-    """Raised on the I/O thread when a file failed verification (and was quarantined)."""
 
 
 def _byte_view(data: Buffer) -> memoryview:
@@ -110,16 +98,18 @@ class NvmeTier(Tier):
         super().__init__()
         self.config = config
         self.root = str(Path(config.path).absolute())
-        self._dir_fds: dict[str, int] = {}
-        self._dir_lock = threading.Lock()  # guards _dir_fds only, never held during I/O
         self._prepare_folder()
-        self.backend, self.backend_reason = self._choose_backend()
+        self.backend, self.backend_reason = choose_backend(self.root, config.backend, config.direct)
+        self._files = ChunkFiles(self.root, self.backend, config.fsync)
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstrata-nvme")
+        self._group = None
+        if config.fsync == "batch":
+            direct = isinstance(self.backend, PosixBackend) and self.backend.direct
+            self._group = GroupSync(os.path.join(self.root, SYNC_MARKER), per_file=not direct)
         self._index: dict[ChunkKey, ChunkMeta] = {}
         self._used = 0
         self._pending = 0
         self._busy: dict[ChunkKey, asyncio.Event] = {}
-        self._in_flight: set[str] = set()
         self._closed = False
         self.rebuild_report: RebuildReport | None = None
         self.last_error = ""
@@ -141,33 +131,13 @@ class NvmeTier(Tier):
             for sub in [*SHARDS, QUARANTINE]:
                 (root / sub).mkdir(exist_ok=True)
             probe_writable(self.root)
-            self._fsync_dir(self.root)
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise TierUnavailable(f"nvme-path {root} is not usable: {exc.strerror}") from exc
-
-    def _choose_backend(self) -> tuple[Backend, str]:
-        wanted = self.config.backend
-        if wanted not in ("auto", "posix", "kvikio"):
-            raise TierUnavailable(f"nvme backend must be auto, posix or kvikio, not {wanted!r}")
-        if wanted != "posix":
-            why = None if importlib.util.find_spec("kvikio") else "kvikio is not installed"
-            why = why or _cuda.cuda_unavailable_reason()
-            if why is None:
-                return KvikioBackend(), "kvikio with CUDA"
-            if wanted == "kvikio":
-                raise TierUnavailable(f"nvme backend kvikio is not usable: {why}")
-        if self.config.direct == "no":
-            return PosixBackend(direct=False), "buffered (nvme direct=no)"
-        try:
-            direct, why = probe_direct(self.root)
-        except OSError as exc:
-            raise TierUnavailable(f"nvme-path {self.root} is not writable: {exc}") from exc
-        if not direct:
-            if self.config.direct == "yes":
-                raise TierUnavailable(f"nvme O_DIRECT requested but {why}")
-            log.info("nvme: %s at %s; using buffered I/O", why, self.root)
-            return PosixBackend(direct=False), f"buffered ({why})"
-        return PosixBackend(direct=True), "O_DIRECT"
 
     # -- capacity -----------------------------------------------------------------------
 
@@ -195,7 +165,9 @@ class NvmeTier(Tier):
             self._pending += need
             started = time.perf_counter()
             try:
-                stored = await self._run(self._write_sync, meta, payload)
+                stored, fd = await self._run(self._files.write, meta, payload)
+                if fd >= 0:
+                    await self._group_sync(meta.key, fd)
             except IntegrityError:
                 self.stats.integrity_errors += 1
                 raise
@@ -221,12 +193,12 @@ class NvmeTier(Tier):
             raise ValueError(f"buffer of {dst.nbytes} bytes for a {meta.size}-byte chunk")
         started = time.perf_counter()
         try:
-            got = await self._run(self._read_sync, key, dst)
+            got = await self._run(self._files.read, key, dst)
         except FileNotFoundError:
             self._forget(key)
             self.stats.misses += 1
             raise ChunkMissing(key) from None
-        except _Corrupt as exc:
+        except Corrupt as exc:
             self._forget(key)
             self.stats.integrity_errors += 1
             self.stats.extra["quarantined"] += 1
@@ -243,7 +215,9 @@ class NvmeTier(Tier):
             if not self._forget(key):
                 return False
             self.stats.deletes += 1
-            await self._run(self._delete_sync, key)
+            await self._run(self._files.delete, key)
+            if self._group is not None:
+                await self._group_sync(key, -1)
             return True
         finally:
             self._release(key)
@@ -258,20 +232,12 @@ class NvmeTier(Tier):
         """Rebuild the index from the folder (headers only) and yield every chunk found."""
         self._check_open()
         started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        in_flight = frozenset(self._in_flight)
-        # Cold header reads are latency bound: a wider, short-lived pool keeps the disk busy.
-        with ThreadPoolExecutor(max(SCAN_THREADS, self.config.io_threads)) as pool:
-            shards = await asyncio.gather(
-                *(
-                    loop.run_in_executor(pool, _nvme_scan.scan_shard, self.root, s, in_flight)
-                    for s in SHARDS
-                )
-            )
-            keep = {".kvstrata-probe"}
-            moved = await loop.run_in_executor(
-                pool, _nvme_scan.scan_root, self.root, keep.__contains__
-            )
+        in_flight = frozenset(self._files.in_flight)
+        threads = max(SCAN_THREADS, self.config.io_threads)
+        keep = {".kvstrata-probe", SYNC_MARKER}
+        shards, moved = await asyncio.get_running_loop().run_in_executor(
+            self._pool, _nvme_scan.scan_all, self.root, SHARDS, in_flight, threads, keep
+        )
         found = [meta for shard in shards for meta, _ in shard.found]
         for meta in found:
             self._index[meta.key] = meta
@@ -307,6 +273,9 @@ class NvmeTier(Tier):
             "io": self.backend_reason,
             "io_threads": self.config.io_threads,
             "write_policy": self.config.write_policy,
+            "fsync": self.config.fsync,
+            "group_syncs": self._group.syncs if self._group else 0,
+            "group_synced": self._group.synced if self._group else 0,
             "quarantined": self.stats.extra["quarantined"],
             "last_error": self.last_error,
             "rebuild_chunks": report.chunks if report else 0,
@@ -320,10 +289,9 @@ class NvmeTier(Tier):
             return
         self._closed = True
         self._pool.shutdown(wait=True)
-        with self._dir_lock:
-            for fd in self._dir_fds.values():
-                os.close(fd)
-            self._dir_fds.clear()
+        if self._group is not None:
+            self._group.close()
+        self._files.close()
 
     # -- event-loop helpers -------------------------------------------------------------
 
@@ -352,87 +320,32 @@ class NvmeTier(Tier):
         """Run ``fn`` on the pool; OSError becomes a counted, logged TierIOError."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        except (FileNotFoundError, _Corrupt, IntegrityError):
+        except (FileNotFoundError, Corrupt, IntegrityError):
             raise
         except OSError as exc:
-            self.stats.errors += 1
-            kind = {errno.ENOSPC: "enospc", errno.EIO: "eio", errno.EACCES: "eacces"}
-            name = kind.get(exc.errno or 0, "eio" if exc.errno is None else "")
-            if name:
-                self.stats.extra[name] += 1
-            self.last_error = f"{errno.errorcode.get(exc.errno or 0, 'EIO')}: {exc.strerror}"
-            log.warning("nvme: %s failed: %s", getattr(fn, "__name__", fn), self.last_error)
-            raise TierIOError(f"nvme: {self.last_error}") from exc
+            raise self._io_error(getattr(fn, "__name__", str(fn)), exc) from exc
 
-    # -- blocking work on the pool ------------------------------------------------------
-
-    def _path(self, key: ChunkKey) -> tuple[str, str]:
-        digest = chunk_digest(key)
-        return os.path.join(self.root, digest[:2]), f"{digest}.kvc"
-
-    def _write_sync(self, meta: ChunkMeta, payload: memoryview) -> ChunkMeta:
-        csum = checksum(payload)
-        if meta.checksum and meta.checksum != csum:
-            raise IntegrityError(f"payload of {meta.key.hex} does not match its checksum")
-        stored = ChunkMeta(meta.key, meta.parent, meta.tokens, meta.size, csum, meta.codec)
-        header = encode_header(stored, csum, time.time_ns())
-        folder, name = self._path(meta.key)
-        tmp = os.path.join(folder, f".{name}.{os.getpid()}.{next(_tmp_numbers)}{TMP_SUFFIX}")
-        self._in_flight.add(tmp)
+    async def _group_sync(self, key: ChunkKey, fd: int) -> None:
+        """Wait until the group sync (``batch``) has made the write (``fd``: the new file) or
+        delete (``fd`` -1) of ``key`` durable; a file it failed on is removed, never served."""
+        assert self._group is not None
         try:
-            self.backend.write_file(tmp, header, payload)
-            os.replace(tmp, os.path.join(folder, name))
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        finally:
-            self._in_flight.discard(tmp)
-        self._fsync_dir(folder)
-        return stored
+            await asyncio.wrap_future(self._group.submit(fd))
+        except OSError as exc:
+            if fd >= 0:
+                path = os.path.join(*self._files.path(key))
+                await asyncio.get_running_loop().run_in_executor(self._pool, unlink_quietly, path)
+            raise self._io_error("group sync", exc) from exc
 
-    def _read_sync(self, key: ChunkKey, out: memoryview) -> ChunkMeta:
-        folder, name = self._path(key)
-        path = os.path.join(folder, name)
-        block, got = self.backend.read_file(path, out)
-        try:
-            meta = decode_header(block).meta
-        except BadHeader as exc:
-            self._quarantine(path, str(exc))
-        if meta.key != key:
-            self._quarantine(path, "header names another chunk")
-        if meta.size > len(out):
-            # A concurrent replacement wrote a larger chunk after our index lookup.
-            raise ChunkMissing(key)
-        if got < meta.size:
-            self._quarantine(path, f"truncated payload ({got} of {meta.size} bytes)")
-        if checksum(out[: meta.size]) != meta.checksum:
-            self._quarantine(path, "payload checksum mismatch")
-        return meta
-
-    def _quarantine(self, path: str, reason: str) -> NoReturn:
-        _nvme_scan.quarantine(self.root, path, reason)
-        raise _Corrupt(reason)
-
-    def _delete_sync(self, key: ChunkKey) -> None:
-        folder, name = self._path(key)
-        try:
-            os.unlink(os.path.join(folder, name))
-        except FileNotFoundError:
-            return
-        self._fsync_dir(folder)
-
-    def _fsync_dir(self, folder: str) -> None:
-        fd = self._dir_fds.get(folder)
-        if fd is None:
-            with self._dir_lock:
-                fd = self._dir_fds.get(folder)
-                if fd is None:
-                    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                    self._dir_fds[folder] = fd
-        os.fsync(fd)
+    def _io_error(self, what: str, exc: OSError) -> TierIOError:
+        self.stats.errors += 1
+        kind = {errno.ENOSPC: "enospc", errno.EIO: "eio", errno.EACCES: "eacces"}
+        name = kind.get(exc.errno or 0, "eio" if exc.errno is None else "")
+        if name:
+            self.stats.extra[name] += 1
+        self.last_error = f"{errno.errorcode.get(exc.errno or 0, 'EIO')}: {exc.strerror}"
+        log.warning("nvme: %s failed: %s", what, self.last_error)
+        return TierIOError(f"nvme: {self.last_error}")
 
 
 # Registered by call rather than as a decorator so that type checkers keep the class type.
