@@ -186,6 +186,9 @@ OPTIONS: tuple[Option, ...] = (
     _opt("nvme-backend", "auto", _choice("auto", "posix", "kvikio"),
          "I/O backend: kvikio (GPUDirect Storage) when CUDA works, POSIX otherwise."),
     _opt("nvme-io-threads", 4, _int(1, 256), "Threads doing NVMe I/O."),
+    _opt("nvme-fsync", "batch", _choice("always", "batch", "never"),
+         "When an NVMe write is acknowledged: always (fsync file + folder), batch (group "
+         "commit, ext4/xfs), never (survives kill -9, not power loss)."),
     _opt("nvme-high-watermark", 0.95, _ratio, "Evict from NVMe above this fill ratio.",
          mutable=True),
     _opt("nvme-low-watermark", 0.85, _ratio, "…down to this fill ratio.", mutable=True),
