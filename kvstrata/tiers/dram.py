@@ -5,11 +5,10 @@ so later copies run at memcpy speed instead of page-fault speed, and carved by a
 :class:`~kvstrata.tiers.alloc.OffsetAllocator` into 4096-aligned slots. Other processes map it
 by name (``regions()``) and read a chunk at its ``handle()`` offset without a copy.
 
-Chunk table: committed chunks map key → slot; reserved slots (``reserve``, not yet
-``commit``-ed) are kept apart and are invisible to ``get``/``view``/``has``/``contains``.
-Replacing a chunk (``put`` or ``commit`` of a key already present) publishes the new slot and
-frees the old one at once; the memory of a replaced or deleted chunk may be handed out again
-immediately, so a ``view()`` stays valid only while the store keeps the chunk pinned.
+The chunk table (reserved vs committed slots, replace = publish new then free old) is
+:class:`~kvstrata.tiers.arena.ArenaTier`'s. The memory of a replaced or deleted chunk may be
+handed out again at once, so a ``view()`` stays valid only while the store keeps the chunk
+pinned.
 
 Everything here runs on the event loop without awaiting: a copy of a 32 MiB chunk is a few
 milliseconds of memcpy.
@@ -39,18 +38,8 @@ import numpy as np
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _cuda
-from kvstrata.tiers.alloc import OffsetAllocator
-from kvstrata.tiers.base import (
-    Buffer,
-    ChunkMissing,
-    Handle,
-    MemoryTier,
-    Region,
-    TierError,
-    TierFull,
-    TierUnavailable,
-    register_tier,
-)
+from kvstrata.tiers.arena import ArenaTier, byte_view
+from kvstrata.tiers.base import Buffer, Region, TierUnavailable, register_tier
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +62,6 @@ class DramConfig:
     def from_config(cls, cfg: Any) -> DramConfig:
         """Build from a :class:`kvstrata.config.Config`."""
         return cls(capacity=cfg.dram_capacity, pin=cfg.dram_pin, pin_quota=cfg.dram_pin_quota)
-
-
-@dataclass(frozen=True, slots=True)
-class _Slot:
-    offset: int
-    length: int
-    meta: ChunkMeta | None  # None while reserved
-
-
-def _byte_view(data: Buffer) -> memoryview:
-    view = memoryview(data)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _unlink_shm(name: str) -> None:
@@ -127,19 +104,17 @@ def reclaim_stale_arenas(prefix: str, shm_dir: str = "/dev/shm") -> list[str]:
     return removed
 
 
-class DramTier(MemoryTier):
+class DramTier(ArenaTier):
     """Chunks in one shared-memory arena; see the module docstring."""
 
     name = "dram"
 
     def __init__(self, config: DramConfig) -> None:
-        super().__init__()
         if config.capacity <= 0:
             raise TierUnavailable(f"dram capacity must be positive, got {config.capacity}")
         if config.pin not in ("auto", "yes", "no"):
             raise TierUnavailable(f"dram pin must be auto, yes or no, got {config.pin!r}")
         self.config = config
-        self.region_name = config.region
         size = (config.capacity + PAGE - 1) // PAGE * PAGE
         self.reclaimed = reclaim_stale_arenas(config.name_prefix)
         shm_name = f"{config.name_prefix}-{os.getpid()}-{next(_arena_numbers)}"
@@ -154,10 +129,7 @@ class DramTier(MemoryTier):
         buf = self._shm.buf
         assert buf is not None
         self._buf: memoryview = buf
-        self._alloc = OffsetAllocator(size)
-        self._chunks: dict[ChunkKey, _Slot] = {}
-        self._reserved: dict[ChunkKey, _Slot] = {}
-        self._closed = False
+        super().__init__(size, config.region)
         started = time.perf_counter()
         self._pretouch()
         self.touch_seconds = time.perf_counter() - started
@@ -189,20 +161,6 @@ class DramTier(MemoryTier):
         log.log(level, "dram arena %s not pinned: %s", self._shm.name, reason)
         return 0, reason
 
-    # -- capacity -----------------------------------------------------------------------
-
-    @property
-    def capacity(self) -> int:
-        return self._alloc.capacity
-
-    @property
-    def used(self) -> int:
-        """Bytes of allocated slots (committed and reserved), rounded up to 4096 each."""
-        return self._alloc.used
-
-    def largest_free(self) -> int:
-        return self._alloc.largest_free
-
     @property
     def arena_name(self) -> str:
         return self._shm.name
@@ -210,27 +168,8 @@ class DramTier(MemoryTier):
     # -- synchronous zero-copy primitives -----------------------------------------------
 
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
-        self._check_open()
-        if key in self._reserved:
-            raise TierError(f"dram: chunk {key.hex} already has a pending reservation")
-        offset = self._allocate(nbytes)
-        self._reserved[key] = _Slot(offset, nbytes, None)
+        offset = self._reserve(key, nbytes)
         return self._buf[offset : offset + nbytes]
-
-    def commit(self, meta: ChunkMeta) -> None:
-        self._check_open()
-        slot = self._reserved.get(meta.key)
-        if slot is None:
-            raise ChunkMissing(meta.key)
-        if meta.size != slot.length:
-            raise ValueError(f"commit of {meta.size} bytes into a {slot.length}-byte reservation")
-        del self._reserved[meta.key]
-        self._publish(meta, slot.offset)
-
-    def abort(self, key: ChunkKey) -> None:
-        slot = self._reserved.pop(key, None)
-        if slot is not None and not self._closed:
-            self._alloc.free(slot.offset)
 
     def view(self, key: ChunkKey) -> memoryview:
         slot = self._lookup(key)
@@ -238,27 +177,14 @@ class DramTier(MemoryTier):
         self.stats.bytes_out += slot.length
         return self._buf[slot.offset : slot.offset + slot.length]
 
-    def handle(self, key: ChunkKey) -> Handle:
-        slot = self._lookup(key)
-        return Handle(self.region_name, slot.offset, slot.length)
-
-    def reserved_handle(self, key: ChunkKey) -> Handle:
-        slot = self._reserved.get(key)
-        if slot is None:
-            raise ChunkMissing(key)
-        return Handle(self.region_name, slot.offset, slot.length)
-
     def regions(self) -> list[Region]:
         return [Region(self.region_name, "shm", self._alloc.capacity, self._shm.name)]
-
-    def has(self, key: ChunkKey) -> bool:
-        return key in self._chunks
 
     # -- async contract -----------------------------------------------------------------
 
     async def put(self, meta: ChunkMeta, data: Buffer) -> None:
         self._check_open()
-        src = _byte_view(data)
+        src = byte_view(data)
         if src.nbytes != meta.size:
             raise ValueError(f"payload is {src.nbytes} bytes, meta says {meta.size}")
         started = time.perf_counter()
@@ -269,7 +195,7 @@ class DramTier(MemoryTier):
 
     async def get(self, key: ChunkKey, out: memoryview) -> ChunkMeta:
         slot = self._lookup(key)
-        dst = _byte_view(out)
+        dst = byte_view(out)
         if dst.nbytes < slot.length:
             raise ValueError(f"buffer of {dst.nbytes} bytes for a {slot.length}-byte chunk")
         started = time.perf_counter()
@@ -280,34 +206,10 @@ class DramTier(MemoryTier):
         assert slot.meta is not None
         return slot.meta
 
-    async def delete(self, key: ChunkKey) -> bool:
-        slot = self._chunks.pop(key, None)
-        if slot is None:
-            return False
-        self._alloc.free(slot.offset)
-        self.stats.deletes += 1
-        self.stats.chunks = len(self._chunks)
-        return True
-
-    async def contains(self, key: ChunkKey) -> bool:
-        return key in self._chunks
-
-    async def meta(self, key: ChunkKey) -> ChunkMeta | None:
-        slot = self._chunks.get(key)
-        return slot.meta if slot is not None else None
-
     def info(self) -> dict[str, Any]:
-        a = self._alloc.stats()
         return {
             "arena": self._shm.name,
-            "region": self.region_name,
-            "capacity": a.capacity,
-            "used": a.used,
-            "chunks": len(self._chunks),
-            "reserved": len(self._reserved),
-            "fragmentation": round(a.fragmentation, 4),
-            "largest_free": a.largest_free,
-            "free_extents": a.free_extents,
+            **self._table_info(),
             "pinned": self.pinned,
             "pin_reason": self.pin_reason,
             "pretouch_seconds": round(self.touch_seconds, 3),
@@ -320,9 +222,7 @@ class DramTier(MemoryTier):
         if self._pin_ptr:
             _cuda.host_unregister(self._pin_ptr)
             self._pin_ptr = 0
-        self._chunks.clear()
-        self._reserved.clear()
-        self.stats.chunks = 0
+        self._clear_table()
         self._finalizer.detach()
         name = self._shm.name
         try:
@@ -334,37 +234,6 @@ class DramTier(MemoryTier):
             setattr(self._shm, "_mmap", None)  # noqa: B010
             self._shm.close()
         _unlink_shm(name)
-
-    # -- internals ----------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierUnavailable("dram tier is closed")
-
-    def _allocate(self, nbytes: int) -> int:
-        offset = self._alloc.allocate(nbytes)
-        if offset is None:
-            raise TierFull(
-                f"dram: no free extent of {nbytes} bytes (free {self._alloc.free_bytes}, "
-                f"largest {self._alloc.largest_free})"
-            )
-        return offset
-
-    def _lookup(self, key: ChunkKey) -> _Slot:
-        slot = self._chunks.get(key)
-        if slot is None:
-            self.stats.misses += 1
-            raise ChunkMissing(key)
-        return slot
-
-    def _publish(self, meta: ChunkMeta, offset: int) -> None:
-        old = self._chunks.get(meta.key)
-        self._chunks[meta.key] = _Slot(offset, meta.size, meta)
-        if old is not None:
-            self._alloc.free(old.offset)
-        self.stats.puts += 1
-        self.stats.bytes_in += meta.size
-        self.stats.chunks = len(self._chunks)
 
 
 # Registered by call rather than as a decorator so that type checkers keep the class type.

@@ -18,8 +18,8 @@ lends a committed slot to one (kvikio writing it out).
 
 Copies run on a small executor (``copy-threads``), never on the event loop. A slot being read
 is not reused until the read ends: a delete or replacement during a copy defers the free.
-Chunk table semantics (reserved vs committed, replace = publish new then free old) are those
-of the DRAM tier.
+The chunk table (reserved vs committed, replace = publish new then free old) is
+:class:`~kvstrata.tiers.arena.ArenaTier`'s, shared with the DRAM tier.
 """
 
 from __future__ import annotations
@@ -33,18 +33,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
-from kvstrata.tiers.alloc import OffsetAllocator
-from kvstrata.tiers.base import (
-    Buffer,
-    ChunkMissing,
-    Handle,
-    MemoryTier,
-    Region,
-    TierError,
-    TierFull,
-    TierUnavailable,
-    register_tier,
-)
+from kvstrata.tiers.arena import ArenaTier, Slot, byte_view
+from kvstrata.tiers.base import Buffer, Handle, Region, TierError, TierUnavailable, register_tier
 from kvstrata.tiers.gpu_memory import CudaMemory, DeviceMemory, NoHostView
 from kvstrata.tiers.gpu_runtime import CudaCallError, load_runtime
 from kvstrata.tiers.gpu_select import require_gpu
@@ -76,18 +66,6 @@ class GpuConfig:
         return self.region or f"gpu{self.device}"
 
 
-@dataclass(frozen=True, slots=True)
-class _Slot:
-    offset: int
-    length: int
-    meta: ChunkMeta | None  # None while reserved
-
-
-def _byte_view(data: Buffer) -> memoryview:
-    view = memoryview(data)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
 def open_device_memory(config: GpuConfig) -> DeviceMemory:
     """The CUDA pool for ``config``; raises TierUnavailable with the reason when impossible."""
     found = require_gpu(config.capacity, config.device)
@@ -102,7 +80,7 @@ def open_device_memory(config: GpuConfig) -> DeviceMemory:
     return memory
 
 
-class GpuTier(MemoryTier):
+class GpuTier(ArenaTier):
     """Chunks in one device pool; see the module docstring.
 
     ``memory`` replaces the CUDA pool (tests pass a :class:`HostMemory`); by default the pool
@@ -112,40 +90,21 @@ class GpuTier(MemoryTier):
     name = "gpu"
 
     def __init__(self, config: GpuConfig, memory: DeviceMemory | None = None) -> None:
-        super().__init__()
         if config.capacity <= 0:
             raise TierUnavailable("gpu tier disabled: gpu-capacity is 0")
         if config.copy_threads < 1:
             raise TierUnavailable(f"gpu copy_threads must be >= 1, got {config.copy_threads}")
         self.config = config
-        self.region_name = config.region_name
         self._mem = memory if memory is not None else open_device_memory(config)
-        self._alloc = OffsetAllocator(min(self._mem.size, config.capacity))
+        super().__init__(min(self._mem.size, config.capacity), config.region_name)
         try:
             self._ipc_hex = self._mem.ipc_handle().hex()  # exported once, at start
         except CudaCallError as exc:
             self._mem.close()
             raise TierUnavailable(f"gpu: cudaIpcGetMemHandle failed: {exc}") from exc
-        self._chunks: dict[ChunkKey, _Slot] = {}
-        self._reserved: dict[ChunkKey, _Slot] = {}
         self._readers: dict[int, int] = {}  # offset -> copies reading it now
         self._deferred: set[int] = set()  # offsets to free when their last reader ends
         self._pool = ThreadPoolExecutor(config.copy_threads, thread_name_prefix="kvstrata-gpu")
-        self._closed = False
-
-    # -- capacity -----------------------------------------------------------------------
-
-    @property
-    def capacity(self) -> int:
-        return self._alloc.capacity
-
-    @property
-    def used(self) -> int:
-        """Bytes of allocated slots (committed, reserved, being filled), 4096-rounded."""
-        return self._alloc.used
-
-    def largest_free(self) -> int:
-        return self._alloc.largest_free
 
     @property
     def memory(self) -> DeviceMemory:
@@ -155,33 +114,13 @@ class GpuTier(MemoryTier):
 
     def reserve_handle(self, key: ChunkKey, nbytes: int) -> Handle:
         """Reserve an invisible slot (KV.RESERVE into the GPU); commit()/abort() end it."""
-        self._check_open()
-        if key in self._reserved:
-            raise TierError(f"gpu: chunk {key.hex} already has a pending reservation")
-        offset = self._allocate(nbytes)
-        self._reserved[key] = _Slot(offset, nbytes, None)
-        return Handle(self.region_name, offset, nbytes)
+        return Handle(self.region_name, self._reserve(key, nbytes), nbytes)
 
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
         if not self._mem.host_addressable:
             raise NoHostView("gpu: reserve() has no host view; use reserve_handle()")
         handle = self.reserve_handle(key, nbytes)
         return self._mem.host_view(handle.offset, nbytes)
-
-    def commit(self, meta: ChunkMeta) -> None:
-        self._check_open()
-        slot = self._reserved.get(meta.key)
-        if slot is None:
-            raise ChunkMissing(meta.key)
-        if meta.size != slot.length:
-            raise ValueError(f"commit of {meta.size} bytes into a {slot.length}-byte reservation")
-        del self._reserved[meta.key]
-        self._publish(meta, slot.offset)
-
-    def abort(self, key: ChunkKey) -> None:
-        slot = self._reserved.pop(key, None)
-        if slot is not None and not self._closed:
-            self._free(slot.offset)
 
     def view(self, key: ChunkKey) -> memoryview:
         slot = self._lookup(key)
@@ -198,34 +137,19 @@ class GpuTier(MemoryTier):
 
     def reserved_tensor(self, key: ChunkKey) -> Any:
         """A torch uint8 tensor over a reserved slot, to fill on the device before commit()."""
-        slot = self._reserved.get(key)
-        if slot is None:
-            raise ChunkMissing(key)
+        slot = self._reserved_slot(key)
         return self._mem.tensor(slot.offset, slot.length)
-
-    def handle(self, key: ChunkKey) -> Handle:
-        slot = self._lookup(key)
-        return Handle(self.region_name, slot.offset, slot.length)
-
-    def reserved_handle(self, key: ChunkKey) -> Handle:
-        slot = self._reserved.get(key)
-        if slot is None:
-            raise ChunkMissing(key)
-        return Handle(self.region_name, slot.offset, slot.length)
 
     def regions(self) -> list[Region]:
         return [
             Region(self.region_name, "cuda", self._alloc.capacity, self._ipc_hex, self._mem.device)
         ]
 
-    def has(self, key: ChunkKey) -> bool:
-        return key in self._chunks
-
     # -- async contract -----------------------------------------------------------------
 
     async def put(self, meta: ChunkMeta, data: Buffer) -> None:
         """Copy a host buffer into a new slot and publish it (host → device)."""
-        src = _byte_view(data)
+        src = byte_view(data)
         if src.nbytes != meta.size:
             raise ValueError(f"payload is {src.nbytes} bytes, meta says {meta.size}")
         await self.put_from(meta, lambda mem, offset: mem.to_device(offset, src))
@@ -249,7 +173,7 @@ class GpuTier(MemoryTier):
 
     async def get(self, key: ChunkKey, out: memoryview) -> ChunkMeta:
         """Copy a committed chunk into a host buffer (device → host)."""
-        dst = _byte_view(out)
+        dst = byte_view(out)
         slot = self._lookup(key)
         if dst.nbytes < slot.length:
             raise ValueError(f"buffer of {dst.nbytes} bytes for a {slot.length}-byte chunk")
@@ -272,17 +196,15 @@ class GpuTier(MemoryTier):
 
         KV.COMMIT of a chunk written into the GPU uses it to checksum the bytes (and keep a
         DRAM copy) before :meth:`commit`; an ``abort`` during the copy defers the free."""
-        dst = _byte_view(out)
-        slot = self._reserved.get(key)
-        if slot is None:
-            raise ChunkMissing(key)
+        dst = byte_view(out)
+        slot = self._reserved_slot(key)
         if dst.nbytes < slot.length:
             raise ValueError(f"buffer of {dst.nbytes} bytes for a {slot.length}-byte slot")
         n = slot.length
         await self._read_slot(slot, lambda mem, offset: mem.to_host(offset, dst[:n]))
         self.stats.bytes_out += n
 
-    async def _read_slot(self, slot: _Slot, use: Callable[[DeviceMemory, int], T]) -> None:
+    async def _read_slot(self, slot: Slot, use: Callable[[DeviceMemory, int], T]) -> None:
         self._readers[slot.offset] = self._readers.get(slot.offset, 0) + 1
         started = time.perf_counter()
         try:
@@ -291,35 +213,11 @@ class GpuTier(MemoryTier):
             self._end_read(slot.offset)
         self.stats.seconds_out += time.perf_counter() - started
 
-    async def delete(self, key: ChunkKey) -> bool:
-        slot = self._chunks.pop(key, None)
-        if slot is None:
-            return False
-        self._free(slot.offset)
-        self.stats.deletes += 1
-        self.stats.chunks = len(self._chunks)
-        return True
-
-    async def contains(self, key: ChunkKey) -> bool:
-        return key in self._chunks
-
-    async def meta(self, key: ChunkKey) -> ChunkMeta | None:
-        slot = self._chunks.get(key)
-        return slot.meta if slot is not None else None
-
     def info(self) -> dict[str, Any]:
-        a = self._alloc.stats()
         return {
             "device": self._mem.device,
             "backend": self._mem.backend,
-            "region": self.region_name,
-            "capacity": a.capacity,
-            "used": a.used,
-            "chunks": len(self._chunks),
-            "reserved": len(self._reserved),
-            "fragmentation": round(a.fragmentation, 4),
-            "largest_free": a.largest_free,
-            "free_extents": a.free_extents,
+            **self._table_info(),
             "copy_threads": self.config.copy_threads,
         }
 
@@ -329,9 +227,7 @@ class GpuTier(MemoryTier):
             return
         self._closed = True
         self._pool.shutdown(wait=True)
-        self._chunks.clear()
-        self._reserved.clear()
-        self.stats.chunks = 0
+        self._clear_table()
         self._mem.close()
 
     # -- internals ----------------------------------------------------------------------
@@ -342,19 +238,6 @@ class GpuTier(MemoryTier):
         except CudaCallError as exc:
             self.stats.errors += 1
             raise TierError(f"gpu: {exc}") from exc
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierUnavailable("gpu tier is closed")
-
-    def _allocate(self, nbytes: int) -> int:
-        offset = self._alloc.allocate(nbytes)
-        if offset is None:
-            raise TierFull(
-                f"gpu: no free extent of {nbytes} bytes (free {self._alloc.free_bytes}, "
-                f"largest {self._alloc.largest_free})"
-            )
-        return offset
 
     def _free(self, offset: int) -> None:
         if self._readers.get(offset):
@@ -371,22 +254,6 @@ class GpuTier(MemoryTier):
         if offset in self._deferred and not self._closed:
             self._deferred.discard(offset)
             self._alloc.free(offset)
-
-    def _lookup(self, key: ChunkKey) -> _Slot:
-        slot = self._chunks.get(key)
-        if slot is None:
-            self.stats.misses += 1
-            raise ChunkMissing(key)
-        return slot
-
-    def _publish(self, meta: ChunkMeta, offset: int) -> None:
-        old = self._chunks.get(meta.key)
-        self._chunks[meta.key] = _Slot(offset, meta.size, meta)
-        if old is not None:
-            self._free(old.offset)
-        self.stats.puts += 1
-        self.stats.bytes_in += meta.size
-        self.stats.chunks = len(self._chunks)
 
 
 # Registered by call rather than as a decorator so that type checkers keep the class type.

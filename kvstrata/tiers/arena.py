@@ -1,0 +1,188 @@
+"""The chunk table shared by the memory tiers that carve one region into slots (dram, gpu).
+
+:class:`ArenaTier` keeps the bookkeeping of a region handed out by an
+:class:`~kvstrata.tiers.alloc.OffsetAllocator`, and nothing that touches its bytes:
+
+- committed chunks map key → :class:`Slot`; reserved slots (``reserve``, not yet ``commit``-ed)
+  are kept apart and are invisible to ``has``/``contains``/``meta``/``handle`` and to the
+  subclass's ``get``/``view``;
+- replacing a chunk (``commit`` or a subclass's ``put`` of a key already present) publishes the
+  new slot first, then frees the old one;
+- every slot given back goes through :meth:`ArenaTier._free`, which a subclass overrides when a
+  slot must outlive its chunk (the GPU tier defers the free while a copy reads it);
+- capacity, handles and the allocator's share of ``info()``.
+
+Subclasses own the memory: ``reserve``/``view``/``regions`` and the byte moves of
+``put``/``get`` (a memcpy into the shared-memory arena; device copies on an executor).
+Everything here is synchronous and never blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.tiers.alloc import OffsetAllocator
+from kvstrata.tiers.base import (
+    Buffer,
+    ChunkMissing,
+    Handle,
+    MemoryTier,
+    TierError,
+    TierFull,
+    TierUnavailable,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one chunk (or one reservation) lies in the region."""
+
+    offset: int
+    length: int
+    meta: ChunkMeta | None  # None while reserved
+
+
+def byte_view(data: Buffer) -> memoryview:
+    """A flat unsigned-byte view of ``data`` (no copy)."""
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class ArenaTier(MemoryTier):
+    """A memory tier over one region of ``capacity`` bytes; see the module docstring."""
+
+    def __init__(self, capacity: int, region_name: str) -> None:
+        super().__init__()
+        self.region_name = region_name
+        self._alloc = OffsetAllocator(capacity)
+        self._chunks: dict[ChunkKey, Slot] = {}
+        self._reserved: dict[ChunkKey, Slot] = {}
+        self._closed = False
+
+    # -- capacity -----------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._alloc.capacity
+
+    @property
+    def used(self) -> int:
+        """Bytes of allocated slots (committed, reserved, being filled), 4096-rounded each."""
+        return self._alloc.used
+
+    def largest_free(self) -> int:
+        return self._alloc.largest_free
+
+    # -- chunk table --------------------------------------------------------------------
+
+    def commit(self, meta: ChunkMeta) -> None:
+        self._check_open()
+        slot = self._reserved_slot(meta.key)
+        if meta.size != slot.length:
+            raise ValueError(f"commit of {meta.size} bytes into a {slot.length}-byte reservation")
+        del self._reserved[meta.key]
+        self._publish(meta, slot.offset)
+
+    def abort(self, key: ChunkKey) -> None:
+        slot = self._reserved.pop(key, None)
+        if slot is not None and not self._closed:
+            self._free(slot.offset)
+
+    def handle(self, key: ChunkKey) -> Handle:
+        slot = self._lookup(key)
+        return Handle(self.region_name, slot.offset, slot.length)
+
+    def reserved_handle(self, key: ChunkKey) -> Handle:
+        slot = self._reserved_slot(key)
+        return Handle(self.region_name, slot.offset, slot.length)
+
+    def has(self, key: ChunkKey) -> bool:
+        return key in self._chunks
+
+    async def delete(self, key: ChunkKey) -> bool:
+        slot = self._chunks.pop(key, None)
+        if slot is None:
+            return False
+        self._free(slot.offset)
+        self.stats.deletes += 1
+        self.stats.chunks = len(self._chunks)
+        return True
+
+    async def contains(self, key: ChunkKey) -> bool:
+        return key in self._chunks
+
+    async def meta(self, key: ChunkKey) -> ChunkMeta | None:
+        slot = self._chunks.get(key)
+        return slot.meta if slot is not None else None
+
+    # -- for subclasses -----------------------------------------------------------------
+
+    def _table_info(self) -> dict[str, Any]:
+        """The allocator's and the table's fields of ``info()``."""
+        a = self._alloc.stats()
+        return {
+            "region": self.region_name,
+            "capacity": a.capacity,
+            "used": a.used,
+            "chunks": len(self._chunks),
+            "reserved": len(self._reserved),
+            "fragmentation": round(a.fragmentation, 4),
+            "largest_free": a.largest_free,
+            "free_extents": a.free_extents,
+        }
+
+    def _clear_table(self) -> None:
+        """Forget every chunk and reservation (at close; the region goes away with them)."""
+        self._chunks.clear()
+        self._reserved.clear()
+        self.stats.chunks = 0
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailable(f"{self.name} tier is closed")
+
+    def _reserve(self, key: ChunkKey, nbytes: int) -> int:
+        """Offset of a fresh, invisible slot of ``nbytes`` reserved for ``key``."""
+        self._check_open()
+        if key in self._reserved:
+            raise TierError(f"{self.name}: chunk {key.hex} already has a pending reservation")
+        offset = self._allocate(nbytes)
+        self._reserved[key] = Slot(offset, nbytes, None)
+        return offset
+
+    def _allocate(self, nbytes: int) -> int:
+        offset = self._alloc.allocate(nbytes)
+        if offset is None:
+            raise TierFull(
+                f"{self.name}: no free extent of {nbytes} bytes (free {self._alloc.free_bytes}, "
+                f"largest {self._alloc.largest_free})"
+            )
+        return offset
+
+    def _free(self, offset: int) -> None:
+        """Give a slot back to the allocator (overridden to defer it while it is in use)."""
+        self._alloc.free(offset)
+
+    def _lookup(self, key: ChunkKey) -> Slot:
+        slot = self._chunks.get(key)
+        if slot is None:
+            self.stats.misses += 1
+            raise ChunkMissing(key)
+        return slot
+
+    def _reserved_slot(self, key: ChunkKey) -> Slot:
+        slot = self._reserved.get(key)
+        if slot is None:
+            raise ChunkMissing(key)
+        return slot
+
+    def _publish(self, meta: ChunkMeta, offset: int) -> None:
+        old = self._chunks.get(meta.key)
+        self._chunks[meta.key] = Slot(offset, meta.size, meta)
+        if old is not None:
+            self._free(old.offset)
+        self.stats.puts += 1
+        self.stats.bytes_in += meta.size
+        self.stats.chunks = len(self._chunks)
