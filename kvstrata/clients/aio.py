@@ -13,25 +13,36 @@ Create it inside the event loop that uses it (``await AsyncClient.connect(...)``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvstrata.clients import commands as cmd
 from kvstrata.clients.aioconn import AsyncConnectionPool
-from kvstrata.clients.commands import Call, HashLike, Payload
+from kvstrata.clients.commands import Call, HashLike
 from kvstrata.clients.connection import ConnectionSettings
 from kvstrata.clients.handles import lease_tier
 from kvstrata.clients.leases import LeaseBase, WriteLeaseBase
 from kvstrata.clients.pipeline import PipelineBase
-from kvstrata.clients.results import LeaseId, MatchResult, RegionInfo, TokenMatch
+from kvstrata.clients.results import RegionInfo
 from kvstrata.clients.sync import settings_from_url
-from kvstrata.protocol.errors import RespError
-from kvstrata.store.hashing import TokenInput
 
 __all__ = ["AsyncClient", "AsyncLease", "AsyncPipeline", "AsyncWriteLease"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def _command(
+    build: Callable[P, Call[T]],
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+    """An :class:`AsyncClient` method that sends the command ``build`` makes and returns its
+    result."""
+
+    async def method(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(build(*args, **kwargs))
+
+    return cmd.method_like(build, method)
 
 
 class AsyncLease(LeaseBase):
@@ -96,7 +107,7 @@ class AsyncPipeline(PipelineBase):
         self._client = client
 
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
-        calls, self._calls = self._calls, []
+        calls = self._take()
         if not calls:
             return []
         async with self._client.pool.connection() as conn:
@@ -133,9 +144,7 @@ class AsyncClient:
     async def _run(self, call: Call[T]) -> T:
         async with self.pool.connection() as conn:
             reply = (await conn.pipeline([call.args], [call.out]))[0]
-        if isinstance(reply, RespError):
-            raise reply
-        return call.decode(reply)
+        return call.result(reply)
 
     async def execute(self, *args: Any, out: Any = None) -> Any:
         return await self._run(cmd.raw(args, out))
@@ -143,45 +152,13 @@ class AsyncClient:
     def pipeline(self) -> AsyncPipeline:
         return AsyncPipeline(self)
 
-    async def ping(self) -> bool:
-        return await self._run(cmd.ping())
-
-    async def put(
-        self,
-        ns: str,
-        hash: HashLike,
-        parent: HashLike | None,
-        payload: Payload,
-        tokens: int = 0,
-        ttl_ms: int | None = None,
-        nx: bool = False,
-    ) -> bool:
-        return await self._run(cmd.put(ns, hash, parent, payload, tokens, ttl_ms, nx))
-
-    async def get(self, ns: str, hash: HashLike, out: Any = None) -> Any:
-        return await self._run(cmd.get(ns, hash, out))
-
-    async def mget(
-        self, ns: str, hashes: Sequence[HashLike], outs: Sequence[Any] | None = None
-    ) -> list[Any]:
-        return await self._run(cmd.mget(ns, hashes, outs))
-
-    async def match(self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> int:
-        return await self._run(cmd.match(ns, hashes, prefetch))
-
-    async def match_tiers(
-        self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False
-    ) -> MatchResult:
-        return await self._run(cmd.match_tiers(ns, hashes, prefetch))
-
-    async def match_tokens(
-        self,
-        ns: str,
-        tokens: TokenInput,
-        chunk_tokens: int | None = None,
-        extra: Sequence[bytes | str] = (),
-    ) -> TokenMatch:
-        return await self._run(cmd.match_tokens(ns, tokens, chunk_tokens, extra))
+    ping = _command(cmd.ping)
+    put = _command(cmd.put)
+    get = _command(cmd.get)
+    mget = _command(cmd.mget)
+    match = _command(cmd.match)
+    match_tiers = _command(cmd.match_tiers)
+    match_tokens = _command(cmd.match_tokens)
 
     async def regions(self, refresh: bool = True) -> list[RegionInfo]:
         if refresh or not self._regions:
@@ -221,23 +198,12 @@ class AsyncClient:
         regions = await self._regions_for({grant.handle.region})
         return AsyncWriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
 
-    async def commit(self, lease_id: LeaseId) -> None:
-        await self._run(cmd.commit(lease_id))
-
-    async def abort(self, lease_id: LeaseId) -> None:
-        await self._run(cmd.abort(lease_id))
-
-    async def release(self, lease_id: LeaseId) -> None:
-        await self._run(cmd.release(lease_id))
-
-    async def info(self, ns: str, hash: HashLike) -> dict[str, Any] | None:
-        return await self._run(cmd.info(ns, hash))
-
-    async def delete(self, ns: str, hash: HashLike, cascade: bool = False) -> int:
-        return await self._run(cmd.delete(ns, hash, cascade))
-
-    async def stats(self) -> dict[str, dict[str, Any]]:
-        return await self._run(cmd.stats())
+    commit = _command(cmd.commit)
+    abort = _command(cmd.abort)
+    release = _command(cmd.release)
+    info = _command(cmd.info)
+    delete = _command(cmd.delete)
+    stats = _command(cmd.stats)
 
     async def close(self) -> None:
         await self.pool.close()

@@ -2,10 +2,14 @@
 
 The sync client, the async client and pipelines all build a :class:`Call` here and only differ
 in how they send it, so a command's wire form and its typed result cannot diverge between them.
+Their plain methods are made from the builders below (``put = _command(cmd.put)``), so a
+command's parameters and docstring are written here only; :func:`method_like` gives such a
+method the builder's name, docstring and signature for ``help()``.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -28,6 +32,7 @@ from kvstrata.protocol.errors import RespError
 from kvstrata.store.hashing import TokenInput, pack_tokens
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 #: A payload: bytes-like, numpy array or CPU torch tensor (sent without copying).
 Payload = Any
 #: A chunk hash: raw bytes (1-64); a ``str`` is taken as hex.
@@ -41,6 +46,23 @@ class Call(Generic[T]):
     args: tuple[Any, ...]
     decode: Callable[[Any], T]
     out: Any = None
+
+    def result(self, reply: Any) -> T:
+        """The typed result of ``reply``; an error reply is raised."""
+        if isinstance(reply, RespError):
+            raise reply
+        return self.decode(reply)
+
+
+def method_like(build: Callable[..., Call[Any]], method: F) -> F:
+    """Name ``method`` (``self, *args, **kwargs``, sending what ``build`` makes) after ``build``
+    and give it its docstring and parameters, as a method written out would have."""
+    params = inspect.signature(build).parameters.values()
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    method.__name__ = method.__qualname__ = build.__name__
+    method.__doc__ = build.__doc__
+    method.__signature__ = inspect.Signature([self_param, *params])  # type: ignore[attr-defined]
+    return method
 
 
 def _ok(reply: Any) -> None:
@@ -69,6 +91,7 @@ def put(
     ttl_ms: int | None = None,
     nx: bool = False,
 ) -> Call[bool]:
+    """Store one chunk; False when NX and it exists (or the server declined)."""
     args: tuple[Any, ...] = ("KV.PUT", ns, hash_bytes(hash), hash_bytes(parent or b""), payload)
     args += ("TOKENS", int(tokens)) if tokens else ()
     args += _ttl(ttl_ms) + (("NX",) if nx else ())
@@ -76,10 +99,14 @@ def put(
 
 
 def get(ns: str, hash: HashLike, out: Any = None) -> Call[Any]:
+    """The payload (``bytes``; a ``bytearray`` for large ones) or None. With ``out``
+    (bytearray, memoryview, numpy array, CPU tensor) the payload is received into it and a
+    memoryview of the filled bytes is returned; ``BufferTooSmall`` when it does not fit."""
     return Call(("KV.GET", ns, hash_bytes(hash)), _same, out)
 
 
 def mget(ns: str, hashes: Sequence[HashLike], outs: Sequence[Any] | None = None) -> Call[list[Any]]:
+    """Payloads (or None) of several chunks; ``outs``: one buffer per hash."""
     if outs is not None and len(outs) != len(hashes):
         raise ValueError("one out buffer per hash")
     return Call(("KV.MGET", ns, *map(hash_bytes, hashes)), _mget, list(outs) if outs else None)
@@ -93,6 +120,7 @@ def _mget(reply: Any) -> list[Any]:
 
 
 def match(ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> Call[int]:
+    """How many leading chunks of the chain are cached."""
     extra = ("PREFETCH",) if prefetch else ()
     return Call(("KV.MATCH", ns, *map(hash_bytes, hashes), *extra), as_int)
 
@@ -113,6 +141,7 @@ def match_tokens(
     chunk_tokens: int | None = None,
     extra: Sequence[bytes | str] = (),
 ) -> Call[TokenMatch]:
+    """Server-side hashing and match of token ids (see ``docs/hashing.md``)."""
     args: tuple[Any, ...] = ("KV.MATCHTOKENS", ns, pack_tokens(tokens))
     if chunk_tokens is not None:
         args += ("CHUNK", int(chunk_tokens))
@@ -204,6 +233,7 @@ def _info(reply: Any) -> dict[str, Any] | None:
 
 
 def delete(ns: str, hash: HashLike, cascade: bool = False) -> Call[int]:
+    """Chunks deleted (with ``cascade``, the chunk and its descendants)."""
     return Call(("KV.DEL", ns, hash_bytes(hash), *(("CASCADE",) if cascade else ())), as_int)
 
 
@@ -242,6 +272,7 @@ __all__ = [
     "match",
     "match_tiers",
     "match_tokens",
+    "method_like",
     "mget",
     "ping",
     "put",

@@ -8,16 +8,26 @@ results come back as plain grants (:class:`~kvstrata.clients.results.LeaseGrant`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Self
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
 from kvstrata.clients import commands as cmd
-from kvstrata.clients.commands import Call, HashLike, Payload
-from kvstrata.clients.results import LeaseId
+from kvstrata.clients.commands import Call
 from kvstrata.protocol.errors import RespError
-from kvstrata.store.hashing import TokenInput
 
 __all__ = ["PipelineBase"]
+
+P = ParamSpec("P")
+PB = TypeVar("PB", bound="PipelineBase")
+
+
+def _queued(build: Callable[P, Call[Any]]) -> Callable[Concatenate[PB, P], PB]:
+    """A pipeline method that queues the command ``build`` makes and returns the pipeline."""
+
+    def method(self: PB, /, *args: P.args, **kwargs: P.kwargs) -> PB:
+        return self._add(build(*args, **kwargs))
+
+    return cmd.method_like(build, method)
 
 
 class PipelineBase:
@@ -31,88 +41,35 @@ class PipelineBase:
         self._calls.append(call)
         return self
 
+    def _take(self) -> list[Call[Any]]:
+        """The queued calls, leaving the pipeline empty."""
+        calls, self._calls = self._calls, []
+        return calls
+
     @staticmethod
     def _decode(calls: list[Call[Any]], replies: list[Any], raise_on_error: bool) -> list[Any]:
         results: list[Any] = []
         for call, reply in zip(calls, replies, strict=True):
-            if isinstance(reply, RespError):
-                if raise_on_error:
-                    raise reply
-                results.append(reply)
-            else:
-                results.append(call.decode(reply))
+            keep_error = isinstance(reply, RespError) and not raise_on_error
+            results.append(reply if keep_error else call.result(reply))
         return results
 
     def execute_command(self, *args: Any, out: Any = None) -> Self:
         return self._add(cmd.raw(args, out))
 
-    def ping(self) -> Self:
-        return self._add(cmd.ping())
-
-    def put(
-        self,
-        ns: str,
-        hash: HashLike,
-        parent: HashLike | None,
-        payload: Payload,
-        tokens: int = 0,
-        ttl_ms: int | None = None,
-        nx: bool = False,
-    ) -> Self:
-        return self._add(cmd.put(ns, hash, parent, payload, tokens, ttl_ms, nx))
-
-    def get(self, ns: str, hash: HashLike, out: Any = None) -> Self:
-        return self._add(cmd.get(ns, hash, out))
-
-    def mget(self, ns: str, hashes: Sequence[HashLike], outs: Sequence[Any] | None = None) -> Self:
-        return self._add(cmd.mget(ns, hashes, outs))
-
-    def match(self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> Self:
-        return self._add(cmd.match(ns, hashes, prefetch))
-
-    def match_tiers(self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> Self:
-        return self._add(cmd.match_tiers(ns, hashes, prefetch))
-
-    def match_tokens(
-        self,
-        ns: str,
-        tokens: TokenInput,
-        chunk_tokens: int | None = None,
-        extra: Sequence[bytes | str] = (),
-    ) -> Self:
-        return self._add(cmd.match_tokens(ns, tokens, chunk_tokens, extra))
-
-    def lease(self, ns: str, hashes: Sequence[HashLike], ttl_ms: int | None = None) -> Self:
-        return self._add(cmd.lease(ns, hashes, ttl_ms))
-
-    def reserve(
-        self,
-        ns: str,
-        hash: HashLike,
-        parent: HashLike | None,
-        nbytes: int,
-        tokens: int = 0,
-        ttl_ms: int | None = None,
-    ) -> Self:
-        return self._add(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms))
-
-    def commit(self, lease_id: LeaseId) -> Self:
-        return self._add(cmd.commit(lease_id))
-
-    def abort(self, lease_id: LeaseId) -> Self:
-        return self._add(cmd.abort(lease_id))
-
-    def release(self, lease_id: LeaseId) -> Self:
-        return self._add(cmd.release(lease_id))
-
-    def regions(self) -> Self:
-        return self._add(cmd.regions())
-
-    def info(self, ns: str, hash: HashLike) -> Self:
-        return self._add(cmd.info(ns, hash))
-
-    def delete(self, ns: str, hash: HashLike, cascade: bool = False) -> Self:
-        return self._add(cmd.delete(ns, hash, cascade))
-
-    def stats(self) -> Self:
-        return self._add(cmd.stats())
+    ping = _queued(cmd.ping)
+    put = _queued(cmd.put)
+    get = _queued(cmd.get)
+    mget = _queued(cmd.mget)
+    match = _queued(cmd.match)
+    match_tiers = _queued(cmd.match_tiers)
+    match_tokens = _queued(cmd.match_tokens)
+    lease = _queued(cmd.lease)
+    reserve = _queued(cmd.reserve)
+    commit = _queued(cmd.commit)
+    abort = _queued(cmd.abort)
+    release = _queued(cmd.release)
+    regions = _queued(cmd.regions)
+    info = _queued(cmd.info)
+    delete = _queued(cmd.delete)
+    stats = _queued(cmd.stats)

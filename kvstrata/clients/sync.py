@@ -15,24 +15,23 @@ shared by threads. Error replies raise the exception classes of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import unquote, urlparse
 
 from kvstrata.clients import commands as cmd
-from kvstrata.clients.commands import Call, HashLike, Payload
+from kvstrata.clients.commands import Call, HashLike
 from kvstrata.clients.connection import ConnectionPool, ConnectionSettings
 from kvstrata.clients.handles import lease_tier
 from kvstrata.clients.leases import LeaseBase, WriteLeaseBase
 from kvstrata.clients.pipeline import PipelineBase
-from kvstrata.clients.results import LeaseId, MatchResult, RegionInfo, TokenMatch
-from kvstrata.protocol.errors import RespError
-from kvstrata.store.hashing import TokenInput
+from kvstrata.clients.results import RegionInfo
 
 __all__ = ["Client", "Lease", "Pipeline", "WriteLease", "settings_from_url"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def settings_from_url(url: str, **overrides: Any) -> dict[str, Any]:
@@ -52,6 +51,15 @@ def settings_from_url(url: str, **overrides: Any) -> dict[str, Any]:
             out["username"] = unquote(u.username)
     out.update(overrides)
     return out
+
+
+def _command(build: Callable[P, Call[T]]) -> Callable[Concatenate[Client, P], T]:
+    """A :class:`Client` method that sends the command ``build`` makes and returns its result."""
+
+    def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(build(*args, **kwargs))
+
+    return cmd.method_like(build, method)
 
 
 class Lease(LeaseBase):
@@ -116,7 +124,7 @@ class Pipeline(PipelineBase):
         self._client = client
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
-        calls, self._calls = self._calls, []
+        calls = self._take()
         if not calls:
             return []
         with self._client.pool.connection() as conn:
@@ -147,9 +155,7 @@ class Client:
     def _run(self, call: Call[T]) -> T:
         with self.pool.connection() as conn:
             reply = conn.pipeline([call.args], [call.out])[0]
-        if isinstance(reply, RespError):
-            raise reply
-        return call.decode(reply)
+        return call.result(reply)
 
     def execute(self, *args: Any, out: Any = None) -> Any:
         """Any command; the reply as parsed (see :mod:`kvstrata.clients.resp`)."""
@@ -158,52 +164,13 @@ class Client:
     def pipeline(self) -> Pipeline:
         return Pipeline(self)
 
-    def ping(self) -> bool:
-        return self._run(cmd.ping())
-
-    def put(
-        self,
-        ns: str,
-        hash: HashLike,
-        parent: HashLike | None,
-        payload: Payload,
-        tokens: int = 0,
-        ttl_ms: int | None = None,
-        nx: bool = False,
-    ) -> bool:
-        """Store one chunk; False when NX and it exists (or the server declined)."""
-        return self._run(cmd.put(ns, hash, parent, payload, tokens, ttl_ms, nx))
-
-    def get(self, ns: str, hash: HashLike, out: Any = None) -> Any:
-        """The payload (``bytes``; a ``bytearray`` for large ones) or None. With ``out``
-        (bytearray, memoryview, numpy array, CPU tensor) the payload is received into it and a
-        memoryview of the filled bytes is returned; ``BufferTooSmall`` when it does not fit."""
-        return self._run(cmd.get(ns, hash, out))
-
-    def mget(
-        self, ns: str, hashes: Sequence[HashLike], outs: Sequence[Any] | None = None
-    ) -> list[Any]:
-        """Payloads (or None) of several chunks; ``outs``: one buffer per hash."""
-        return self._run(cmd.mget(ns, hashes, outs))
-
-    def match(self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> int:
-        """How many leading chunks of the chain are cached."""
-        return self._run(cmd.match(ns, hashes, prefetch))
-
-    def match_tiers(
-        self, ns: str, hashes: Sequence[HashLike], prefetch: bool = False
-    ) -> MatchResult:
-        return self._run(cmd.match_tiers(ns, hashes, prefetch))
-
-    def match_tokens(
-        self,
-        ns: str,
-        tokens: TokenInput,
-        chunk_tokens: int | None = None,
-        extra: Sequence[bytes | str] = (),
-    ) -> TokenMatch:
-        """Server-side hashing and match of token ids (see ``docs/hashing.md``)."""
-        return self._run(cmd.match_tokens(ns, tokens, chunk_tokens, extra))
+    ping = _command(cmd.ping)
+    put = _command(cmd.put)
+    get = _command(cmd.get)
+    mget = _command(cmd.mget)
+    match = _command(cmd.match)
+    match_tiers = _command(cmd.match_tiers)
+    match_tokens = _command(cmd.match_tokens)
 
     def regions(self, refresh: bool = True) -> list[RegionInfo]:
         if refresh or not self._regions:
@@ -248,24 +215,12 @@ class Client:
         regions = self._regions_for({grant.handle.region})
         return WriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
 
-    def commit(self, lease_id: LeaseId) -> None:
-        self._run(cmd.commit(lease_id))
-
-    def abort(self, lease_id: LeaseId) -> None:
-        self._run(cmd.abort(lease_id))
-
-    def release(self, lease_id: LeaseId) -> None:
-        self._run(cmd.release(lease_id))
-
-    def info(self, ns: str, hash: HashLike) -> dict[str, Any] | None:
-        return self._run(cmd.info(ns, hash))
-
-    def delete(self, ns: str, hash: HashLike, cascade: bool = False) -> int:
-        """Chunks deleted (with ``cascade``, the chunk and its descendants)."""
-        return self._run(cmd.delete(ns, hash, cascade))
-
-    def stats(self) -> dict[str, dict[str, Any]]:
-        return self._run(cmd.stats())
+    commit = _command(cmd.commit)
+    abort = _command(cmd.abort)
+    release = _command(cmd.release)
+    info = _command(cmd.info)
+    delete = _command(cmd.delete)
+    stats = _command(cmd.stats)
 
     def close(self) -> None:
         self.pool.close()
