@@ -3,14 +3,13 @@
 It ties together the index (``index``), leases (``leases``), placement and eviction
 (``placement``), the write path (``kvstore_write``), the read path (``kvstore_read``) and the
 moves into the GPU tier (``kvstore_gpu``) over the configured tiers (``kvstore_build``),
-ordered fast → slow. Bookkeeping is synchronous on the event loop; only
-tier I/O is awaited, and no lock is held across an await (key ownership is described in
-``kvstore_state``).
+ordered fast → slow. Bookkeeping is synchronous on the event loop; only tier I/O is awaited,
+and no lock is held across an await (key ownership is described in ``kvstore_state``).
 
 Lifecycle: ``await KVStore.from_config(config, keyspace)`` (or ``KVStore(config, keyspace,
-tiers)``), then ``await store.start()`` (rebuilds the index from the local persistent
-tiers, starts the lease sweeper, the demoter and the prefetch workers) and finally
-``await store.close()``.
+tiers)``), then ``await store.start()`` (rebuilds the index from the local persistent tiers,
+see ``kvstore_rebuild``; starts the lease sweeper, the demoter and the prefetch workers) and
+finally ``await store.close()``.
 """
 
 from __future__ import annotations
@@ -22,15 +21,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstrata.config import Config
-from kvstrata.store.index import ChunkRecord, record_from_meta
+from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace, now_ms
 from kvstrata.store.kvstore_build import build_tiers, status_of
 from kvstrata.store.kvstore_gpu import GpuPath
 from kvstrata.store.kvstore_prefetch import PrefetchPath
 from kvstrata.store.kvstore_read import Payload, ReadPath
+from kvstrata.store.kvstore_rebuild import empty_report, rebuild_index
 from kvstrata.store.kvstore_remote import RemotePath
-from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_shared
+from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState
 from kvstrata.store.kvstore_write import StoreSink, WritePath
 from kvstrata.store.leases import Lease, ReadLease, WriteLease, run_sweeper
 from kvstrata.store.placement import Placement
@@ -58,8 +58,7 @@ class KVStore:
         self.remote = RemotePath(self.state)
         self.reads = ReadPath(self.state, self.placement, self.remote, self.gpu)
         self.hints = PrefetchPath(self.state, self.placement, self.reads, self.remote, self.gpu)
-        self.rebuild: dict[str, float] = {"chunks": 0, "bytes": 0, "seconds": 0.0,
-                                          "quarantined": 0, "errors": 0}  # fmt: skip
+        self.rebuild = empty_report()  # what start() found in the local persistent tiers
         self._background: list[asyncio.Task[Any]] = []
 
     @property
@@ -85,7 +84,7 @@ class KVStore:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self._rebuild()
+        await rebuild_index(self.state, self.rebuild)
         state = self.state
         self._background = [
             asyncio.get_running_loop().create_task(
@@ -111,49 +110,6 @@ class KVStore:
                 await tier.close()
             except Exception:
                 log.exception("closing tier %s failed", tier.name)
-
-    async def _rebuild(self) -> None:
-        """Index what the local persistent tiers hold. The shared tier (s3) is not scanned:
-        other nodes write there too and its chunks are found on demand by lookups. A tier
-        whose scan fails is logged and counted; start-up goes on with what was found."""
-        started = time.perf_counter()
-        for tier in self.state.tiers:
-            if not tier.persistent or is_shared(tier):
-                continue
-            try:
-                await self._rebuild_from(tier)
-            except Exception:
-                self.rebuild["errors"] += 1
-                self.state.errors += 1
-                self.state.counters[tier.name].errors += 1
-                log.exception("rebuilding the index from %s failed; starting without it", tier.name)
-        self.rebuild["seconds"] = time.perf_counter() - started
-
-    async def _rebuild_from(self, tier: Tier) -> None:
-        state = self.state
-        found = 0
-        async for meta in tier.scan():
-            rec = state.index.get(meta.key)
-            if rec is None:
-                rec = record_from_meta(meta)
-                rec.tiers = {tier.name}
-                state.publish(rec)
-                self.rebuild["chunks"] += 1
-                self.rebuild["bytes"] += meta.size
-            elif rec.checksum == meta.checksum:
-                state.index.add_tier(rec, tier.name)
-            else:
-                log.warning("%s holds a stale copy of %s; deleting it", tier.name, meta.key.hex)
-                state.spawn(tier.delete(meta.key), f"delete stale {meta.key.hex[:16]}")
-            found += 1
-        report = getattr(tier, "rebuild_report", None)
-        quarantined = getattr(report, "quarantined", 0) if report is not None else 0
-        if isinstance(report, dict):
-            quarantined = report.get("quarantined", 0)
-        self.rebuild["quarantined"] += (
-            len(quarantined) if isinstance(quarantined, list | tuple | set) else quarantined
-        )
-        log.info("rebuilt %d chunks from %s", found, tier.name)
 
     def _end_lease(self, lease: Lease) -> None:
         if isinstance(lease, ReadLease):
