@@ -189,3 +189,12 @@ def test_inline_line_without_newline_is_bounded(parse) -> None:
     wire = bytearray(b"P" * (decoder.MAX_HEADER + 10))
     with pytest.raises(ProtocolError, match="too big inline request"):
         parse(wire, 0, len(wire), BIG, MAX_BULK, MAX_ARGS)
+
+
+@pytest.mark.parametrize("parse", PARSERS)
+def test_parity_on_odd_bytes_and_long_numbers(parse) -> None:
+    with pytest.raises(ProtocolError, match=re.escape("expected '$', got '\\xff'")):
+        parse(bytearray(b"*1\r\n\xff"), 0, 6, BIG, MAX_BULK, MAX_ARGS)
+    with pytest.raises(ProtocolError, match="invalid multibulk length"):
+        wire = bytearray(b"*9999999999999999999\r\n")
+        parse(wire, 0, len(wire), BIG, MAX_BULK, 1 << 62)

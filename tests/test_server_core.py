@@ -409,3 +409,29 @@ def test_shutdown_in_a_pipeline_answers_what_came_before(make_server) -> None:
     assert srv.thread is not None
     srv.thread.join(10)
     assert not srv.thread.is_alive()
+
+
+def test_unauthenticated_clients_get_only_small_frames(make_server) -> None:
+    """Before AUTH, a header may not make the server allocate: frames are limited as in
+    Redis 7 (10 arguments, 16 KiB bulks); after AUTH the configured limits apply."""
+    srv = make_server(requirepass="pw")
+    big = raw_exchange(srv.port, b"*2\r\n$4\r\nECHO\r\n$536870912\r\n", expect_close=True)
+    assert big == b"-ERR Protocol error: invalid bulk length\r\n"
+    many = raw_exchange(srv.port, b"*11\r\n", expect_close=True)
+    assert many == b"-ERR Protocol error: invalid multibulk length\r\n"
+    value = b"v" * 100_000
+    wire = b"AUTH pw\r\n*2\r\n$4\r\nECHO\r\n$100000\r\n" + value + b"\r\n"
+    reply = raw_exchange(srv.port, wire, until=value + b"\r\n")
+    assert reply == b"+OK\r\n$100000\r\n" + value + b"\r\n"
+
+
+def test_non_ascii_garbage_is_a_protocol_error_after_earlier_commands(server) -> None:
+    reply = raw_exchange(server.port, b"SET k v\r\n*1\r\n\xff", expect_close=True)
+    assert reply == b"+OK\r\n-ERR Protocol error: expected '$', got '\\xff'\r\n"
+    assert redis.Redis(port=server.port).get("k") == b"v"
+
+
+def test_huge_command_name_is_an_unknown_command(server) -> None:
+    name = b"x" * 70_000
+    reply = raw_exchange(server.port, b"*1\r\n$70000\r\n" + name + b"\r\nPING\r\n", until=b"PONG")
+    assert reply.startswith(b"-ERR unknown command 'xxx") and reply.endswith(b"+PONG\r\n")

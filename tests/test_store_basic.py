@@ -161,10 +161,16 @@ def test_payload_sink_is_one_copy_and_invisible_until_put() -> None:
         async with open_store() as store:
             sink = store.reserve_put(NS, b"big", b"", 70_000)
             assert sink is not None
-            assert store.reserve_put(NS, b"big", b"", 70_000) is None  # one writer per key
+            # a second upload of the same chunk may arrive meanwhile: the key is claimed only
+            # when a PUT runs, so neither upload can block the other (or a command before it)
+            second = store.reserve_put(NS, b"big", b"", 70_000)
+            assert second is not None
             sink.view[:] = b"q" * 70_000
+            second.view[:] = b"q" * 70_000
             assert store.match(NS, [b"big"]) == 0  # invisible until committed
             assert await store.put(NS, b"big", b"", sink.view, sink=sink)
+            assert not await store.put(NS, b"big", b"", second.view, nx=True, sink=second)
+            assert store.state.dram.info()["reserved"] == 0  # the loser's slot is freed
             p = await store.get(NS, b"big")
             assert bytes(p.view) == b"q" * 70_000
             p.release()

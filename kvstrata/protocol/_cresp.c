@@ -23,12 +23,12 @@ static const char *find_crlf(const char *p, const char *end) {
     return NULL;
 }
 
-/* Strict decimal (optional leading '-'), at most 19 digits. Returns 0 on success. */
+/* Strict decimal (optional leading '-'), at most 18 digits (no overflow). 0 on success. */
 static int parse_ll(const char *p, const char *e, long long *out) {
     int neg = 0;
     long long v = 0;
     if (p < e && *p == '-') { neg = 1; p++; }
-    if (p >= e || e - p > 19) return -1;
+    if (p >= e || e - p > 18) return -1;
     for (; p < e; p++) {
         if (*p < '0' || *p > '9') return -1;
         v = v * 10 + (*p - '0');
@@ -124,7 +124,11 @@ static PyObject *parse_requests(PyObject *self, PyObject *args) {
             if (p >= stop) { complete = 0; break; }
             if (*p != '$') {
                 char msg[64];
-                snprintf(msg, sizeof msg, "expected '$', got '%c'", *p);
+                unsigned char ch = (unsigned char)*p;
+                if (ch >= 0x20 && ch < 0x7f)
+                    snprintf(msg, sizeof msg, "expected '$', got '%c'", ch);
+                else
+                    snprintf(msg, sizeof msg, "expected '$', got '\\x%02x'", ch);
                 Py_DECREF(argv); proto_error(msg); goto fail;
             }
             const char *bnl = find_crlf(p, stop);

@@ -38,10 +38,14 @@ class BigBulk(NamedTuple):
     data_pos: int
 
 
+def _show(byte: int) -> str:
+    return chr(byte) if 0x20 <= byte < 0x7F else f"\\x{byte:02x}"
+
+
 def _header_int(buf: Buf, start: int, stop: int, what: str) -> int:
     raw = bytes(buf[start:stop])
     body = raw[1:] if raw[:1] == b"-" else raw
-    if not body or not body.isdigit() or len(body) > 19:
+    if not body or not body.isdigit() or len(body) > 18:
         raise ProtocolError(f"invalid {what} length")
     return int(raw)
 
@@ -119,7 +123,7 @@ def _parse_args(
         if p >= end:
             return p, None
         if buf[p] != 0x24:  # '$'
-            raise ProtocolError(f"expected '$', got '{chr(buf[p])}'")
+            raise ProtocolError(f"expected '$', got '{_show(buf[p])}'")
         nl = find(b"\r\n", p, end)
         if nl < 0:
             if end - p > MAX_HEADER:

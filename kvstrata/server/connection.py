@@ -39,7 +39,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstrata.server")
 
-HIGH_WATER = 4 * 1024 * 1024  # unexecuted bytes buffered before reading pauses
+HIGH_WATER = 4 * 1024 * 1024  # undecoded bytes buffered before reading pauses
+QUEUE_AHEAD = 1024  # commands decoded ahead while the client does not read its replies
+UNAUTH_MAX_BULK = 16 * 1024  # frame limits before AUTH (as Redis 7)
+UNAUTH_MAX_ARGS = 10
 JOIN_LIMIT = 64 * 1024  # replies up to this size are joined into one write
 FLUSH_PARTS = 48  # reply buffers gathered before they are handed to the transport
 _NO_SINKS: dict[int, Any] = {}
@@ -89,6 +92,7 @@ class Connection(asyncio.BufferedProtocol):
         self._monitor = False
         self._task: asyncio.Task[None] | None = None
         self._queue: deque[Any] = deque()  # plain argument lists, or WithSinks
+        self._release_timer: asyncio.TimerHandle | None = None
         self._slow = 0.0  # slow-log threshold in seconds, refreshed per batch
 
     # -- asyncio callbacks ----------------------------------------------------------------
@@ -164,26 +168,30 @@ class Connection(asyncio.BufferedProtocol):
         micros = values["slowlog-log-slower-than"]
         self._slow = micros / 1e6 if micros >= 0 else _NEVER
         queue = self._queue
+        intake = self._in
         executed = 0
         try:
-            while (
-                not self._busy
-                and not self._closing
-                and not self._write_paused
-                and not self._close_after
-            ):
-                if queue:
+            while not self._closing and not self._close_after:
+                if queue and not self._busy and not self._write_paused:
                     item = queue.popleft()
                     if type(item) is list:
                         self._execute(item, _NO_SINKS)
                     else:
+                        intake.queued_payload -= item.nbytes
                         self._execute(item.args, item.sinks)
                     executed += 1
                     if len(self._out) >= FLUSH_PARTS:
                         self._flush()  # lets the transport push back (pause_writing)
-                elif not self._in.decode(
-                    queue, values["proto-max-bulk-len"], values["max-multibulk-len"]
-                ):
+                    continue
+                # Nothing runnable: decode ahead (bounded), so that a client still sending a
+                # large payload while we wait for it to read its replies is not deadlocked.
+                if queue and self._ahead_full():
+                    break
+                if self.client.authenticated:
+                    limits = values["proto-max-bulk-len"], values["max-multibulk-len"]
+                else:  # as Redis: tiny frames until AUTH, so no one can make us allocate
+                    limits = UNAUTH_MAX_BULK, UNAUTH_MAX_ARGS
+                if not intake.decode(queue, *limits):
                     break
         except ProtocolError as exc:
             self._protocol_error(exc)
@@ -210,7 +218,10 @@ class Connection(asyncio.BufferedProtocol):
     def _execute(self, args: list[Any], sinks: dict[int, Any]) -> None:
         """Run one command and queue its reply. This is the hot path: keep it lean."""
         server = self.server
-        spec = server.fast_specs.get(args[0])
+        try:
+            spec = server.fast_specs.get(args[0])
+        except TypeError:  # a name that arrived as a large bulk (bytearray)
+            spec = None
         if (
             spec is None
             or (spec.arity > 0 and len(args) != spec.arity)
@@ -244,7 +255,7 @@ class Connection(asyncio.BufferedProtocol):
             self.sinks = _NO_SINKS
             self._abort_sinks(sinks)
         t = type(result)
-        if t is bytes or t is Simple or t is int or result is None or t is list:
+        if t is bytes or t is Simple or t is int or result is None:
             encode_reply(result, self._resp3, self._out)
         else:
             self._reply(result)
@@ -292,8 +303,10 @@ class Connection(asyncio.BufferedProtocol):
         self._busy = False
         self._task = None
         if self._closing:
-            if isinstance(result, BulkView) and result.release is not None:
-                result.release()
+            dropped: list[Any] = []
+            _collect_releases(result, dropped)
+            for release in dropped:
+                release()
             return
         self._reply(result)
         if perf_counter() - started > self.server.slowlog_threshold:
@@ -307,8 +320,7 @@ class Connection(asyncio.BufferedProtocol):
         if isinstance(value, RespError):
             self._reply_error(value)
             return
-        if type(value) is BulkView and value.release is not None:
-            self._releases.append(value.release)
+        _collect_releases(value, self._releases)
         encode_reply(value, self._resp3, self._out)
 
     def _reply_error(self, exc: RespError) -> None:
@@ -331,20 +343,24 @@ class Connection(asyncio.BufferedProtocol):
                 self.transport.write(b"".join(out))
             else:
                 self.transport.writelines(join_small(out))
-        if self._releases:
+        if self._releases and self._release_timer is None:
             self._run_releases_if_drained()
         if self._close_after:
             self._closing = True
             self.transport.close()
 
     def _run_releases_if_drained(self) -> None:
+        """Unpin reply buffers once the transport holds no reference to them. A closing
+        transport still sends (and references) what is queued: connection_lost releases."""
+        self._release_timer = None
         if not self._releases:
             return
         transport = self.transport
-        if transport is None or transport.is_closing() or transport.get_write_buffer_size() == 0:
+        if transport is None or transport.get_write_buffer_size() == 0:
             self._run_releases()
-        else:
-            asyncio.get_running_loop().call_later(0.0005, self._run_releases_if_drained)
+        elif self._release_timer is None:
+            loop = asyncio.get_running_loop()
+            self._release_timer = loop.call_later(0.0005, self._run_releases_if_drained)
 
     def _run_releases(self) -> None:
         releases, self._releases = self._releases, []
@@ -354,14 +370,23 @@ class Connection(asyncio.BufferedProtocol):
             except Exception:
                 log.exception("releasing a reply buffer failed")
 
+    def _ahead_full(self) -> bool:
+        """Decoded-but-waiting commands reached their bound (count or payload bytes)."""
+        limit = self.server.config.values["client-query-buffer-limit"]
+        return len(self._queue) >= QUEUE_AHEAD or self._in.queued_payload >= limit
+
     def _update_reading(self) -> None:
         if not (self._read_paused or self._write_paused or self._busy):
             return  # the common case: reading and nothing that could stop it
         transport = self.transport
         if transport is None or self._closing:
             return
-        backlog = self._in.backlog
-        should_pause = self._write_paused or (self._busy and backlog > HIGH_WATER)
+        intake = self._in
+        should_pause = (
+            (self._write_paused or self._busy)
+            and not intake.receiving_payload  # let a large payload finish arriving
+            and (intake.backlog > HIGH_WATER or self._ahead_full())
+        )
         if should_pause and not self._read_paused:
             self._read_paused = True
             transport.pause_reading()
@@ -422,6 +447,18 @@ class Connection(asyncio.BufferedProtocol):
     @property
     def busy(self) -> bool:
         return self._busy
+
+
+def _collect_releases(value: Any, out: list[Any]) -> None:
+    """The release callbacks of every BulkView in a reply (KV.MGET nests them in a list)."""
+    t = type(value)
+    if t is BulkView:
+        if value.release is not None:
+            out.append(value.release)
+    elif t is list or t is tuple:
+        for item in value:
+            if type(item) is BulkView or type(item) is list:
+                _collect_releases(item, out)
 
 
 def _trunc(arg: Any, limit: int = 128) -> str:

@@ -41,13 +41,14 @@ class BytesSink:
 class WithSinks:
     """A decoded command whose large arguments landed in sinks (by argument index)."""
 
-    __slots__ = ("args", "need_crlf", "remaining", "sinks")
+    __slots__ = ("args", "nbytes", "need_crlf", "remaining", "sinks")
 
     def __init__(self, args: list[Any], remaining: int, sinks: dict[int, Any]) -> None:
         self.args = args
         self.remaining = remaining
         self.sinks = sinks
         self.need_crlf = True
+        self.nbytes = 0  # bytes of its large bulks (counted in Intake.queued_payload)
 
 
 def abort_sinks(sinks: dict[int, Any], on_error: Callable[[BaseException], None]) -> None:
@@ -72,6 +73,9 @@ class Intake:
         self._filled = 0
         #: set when the buffer would grow past the query buffer limit
         self.overflow = False
+        #: bytes of large bulks decoded (or arriving) and not run yet; the connection
+        #: subtracts a command's ``nbytes`` when it runs it
+        self.queued_payload = 0
 
     @property
     def backlog(self) -> int:
@@ -145,7 +149,7 @@ class Intake:
         self._begin_big(state, {})
         return True
 
-    def _begin_big(self, state: tuple[Any, ...], sinks: dict[int, Any]) -> None:
+    def _begin_big(self, state: tuple[Any, ...], sinks: dict[int, Any], nbytes: int = 0) -> None:
         args, remaining, length, data_pos = state  # a BigBulk, or the C scanner's tuple
         sink = self._sink_for(args, length)
         if sink is None:
@@ -155,6 +159,8 @@ class Intake:
             sinks[len(args)] = sink
             args.append(sink.view)
         self.partial = WithSinks(args, remaining - 1, sinks)
+        self.partial.nbytes = nbytes + length
+        self.queued_payload += length
         have = min(self.end - data_pos, length)
         if have > 0:
             sink.view[:have] = self._mv[data_pos : data_pos + have]
@@ -189,16 +195,19 @@ class Intake:
                 return False
             if state is not True:  # another large bulk (its args are part.args)
                 self.partial = None
-                self._begin_big(state, part.sinks)
+                self._begin_big(state, part.sinks, part.nbytes)
                 return self._direct is None
         self.partial = None
-        queue.append(part if part.sinks else part.args)
+        queue.append(part)
         return True
 
     def drop(self) -> dict[int, Any]:
         """Forget a half-received command; its sinks are returned for aborting."""
         part, self.partial, self._direct = self.partial, None, None
-        return part.sinks if part is not None else {}
+        if part is None:
+            return {}
+        self.queued_payload -= part.nbytes
+        return part.sinks
 
     def compact(self) -> None:
         if self.start == self.end and self._direct is None:

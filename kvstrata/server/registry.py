@@ -148,6 +148,8 @@ class CommandTable:
         self._by_name.pop(name.lower().encode(), None)
 
     def lookup(self, name: bytes) -> CommandSpec | None:
+        if type(name) is not bytes:
+            name = bytes(name)
         spec = self._by_name.get(name)
         if spec is None:
             spec = self._by_name.get(bytes(name).lower())

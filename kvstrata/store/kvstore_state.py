@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvstrata.config import Config
+from kvstrata.protocol.errors import BusyError
 from kvstrata.store.index import ChunkIndex, ChunkRecord
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Entry, Keyspace, now_ms
@@ -207,13 +208,18 @@ class StoreState:
         if event is not None:
             event.set()
 
-    async def wait_key(self, key: ChunkKey) -> None:
-        """Wait until no writer and no retired record owns ``key``."""
-        while True:
-            event = self.writers.get(key) or self.retired.get(key)
-            if event is None:
-                return
-            await event.wait()
+    async def wait_key(self, key: ChunkKey, timeout: float | None = None) -> None:
+        """Wait until no writer and no retired record owns ``key``; BusyError after
+        ``timeout`` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    event = self.writers.get(key) or self.retired.get(key)
+                    if event is None:
+                        return
+                    await event.wait()
+        except TimeoutError:
+            raise BusyError(f"chunk {key.hex} is being written or freed; retry") from None
 
     # -- creating and retiring records ------------------------------------------------------
 

@@ -13,6 +13,7 @@ concurrent writers stores the chunk and the others wait for it and answer 0.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -35,18 +36,35 @@ def byte_view(data: Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-class StoreSink:
-    """A reserved, invisible DRAM slot owned by one writer (implements ``PayloadSink``).
+KEY_WAIT_SECONDS = 30.0  # a writer waiting for another writer of the same key gives up (BUSY)
+_SINK_NS = "\0payload"  # never a client namespace (validated): provisional slot keys
+_sink_ids = itertools.count(1)
 
-    ``abort()`` frees the slot and ends the writer's ownership of the key; it is a no-op once
-    the slot was committed, so callers may always call it in a ``finally``.
+
+class StoreSink:
+    """A reserved, invisible DRAM slot (implements ``PayloadSink``).
+
+    A write lease's sink (KV.RESERVE) owns the key's claim from the start. A KV.PUT payload's
+    sink does not: its slot is reserved under a provisional key while the bytes arrive, and the
+    key is claimed only when the command runs (so a stalled upload or a command queued behind
+    it never blocks other writers of the key); ``place`` then binds the slot to the chunk.
+    ``abort()`` frees the slot (and the claim it owns); it is a no-op once the slot was
+    committed, so callers may always call it in a ``finally``.
     """
 
-    def __init__(self, state: StoreState, key: ChunkKey, view: memoryview) -> None:
+    def __init__(
+        self,
+        state: StoreState,
+        key: ChunkKey,
+        view: memoryview,
+        slot_key: ChunkKey | None = None,
+    ) -> None:
         self.state = state
         self.key = key
         self.view = view
         self.nbytes = view.nbytes
+        self.slot_key = key if slot_key is None else slot_key
+        self.owns_claim = slot_key is None
         self.consumed = False
         self.done = False
 
@@ -61,6 +79,9 @@ class StoreSink:
         """Commit the slot (the chunk's DRAM copy); the tiers it is now in."""
         dram = self.state.dram
         assert dram is not None
+        if self.slot_key != meta.key:
+            dram.rekey_reserved(self.slot_key, meta.key)
+            self.slot_key = meta.key
         dram.commit(meta)
         return [dram.name]
 
@@ -69,12 +90,14 @@ class StoreSink:
             return
         self.done = True
         if self.state.dram is not None:
-            self.state.dram.abort(self.key)
-        self.state.release_claim(self.key)
+            self.state.dram.abort(self.slot_key)
+        if self.owns_claim:
+            self.state.release_claim(self.key)
 
     def committed(self) -> None:
         self.done = True
-        self.state.release_claim(self.key)
+        if self.owns_claim:
+            self.state.release_claim(self.key)
 
 
 class WritePath:
@@ -87,20 +110,17 @@ class WritePath:
 
     def reserve_put(self, ns: str, hash: bytes, parent: bytes, nbytes: int) -> StoreSink | None:
         """A DRAM slot for an arriving KV.PUT payload, or None (the caller buffers it itself)
-        when there is no room now, the chunk exists or another writer owns it."""
+        when there is no room now. The key is not claimed here (see StoreSink)."""
         dram = self.state.dram
-        key = ChunkKey(ns, hash)
         if dram is None or nbytes <= 0 or nbytes > dram.capacity:
             return None
-        if self.state.index.get(key) is not None or not self.state.claim(key):
-            return None
+        slot_key = ChunkKey(_SINK_NS, next(_sink_ids).to_bytes(8, "big"))
         try:
-            view = dram.reserve(key, nbytes)
+            view = dram.reserve(slot_key, nbytes)
         except TierError:
-            self.state.release_claim(key)
             self.placement.kick()
             return None
-        return StoreSink(self.state, key, view)
+        return StoreSink(self.state, ChunkKey(ns, hash), view, slot_key)
 
     # -- KV.PUT ----------------------------------------------------------------------------------
 
@@ -119,34 +139,35 @@ class WritePath:
         if sink is not None:
             _check_sink(sink, key)
             sink.consume()
-            try:
-                await self.commit_new(key, parent, tokens, ttl_ms, sink.view, sink)
-            finally:
-                sink.abort()
-            return True
-        data = byte_view(payload)
+            data = sink.view
+        else:
+            data = byte_view(payload)
         state = self.state
-        while True:
-            rec = state.live(key)
-            if rec is not None:
-                if nx:
-                    return False
-                if rec.size == data.nbytes and rec.checksum == checksum(data):
-                    self._refresh(rec.redis_key(), ttl_ms)
-                    return True
-                if rec.leases:
-                    raise BusyError(f"chunk {key.hex} is leased; retry after KV.RELEASE")
-                state.retire(rec)
-            if state.key_busy(key):
-                await state.wait_key(key)
-                continue
-            break
-        state.claim(key)
         try:
-            await self.commit_new(key, parent, tokens, ttl_ms, data, None)
+            while True:
+                rec = state.live(key)
+                if rec is not None:
+                    if nx:
+                        return False
+                    if rec.size == data.nbytes and rec.checksum == checksum(data):
+                        self._refresh(rec.redis_key(), ttl_ms)
+                        return True
+                    if rec.leases:
+                        raise BusyError(f"chunk {key.hex} is leased; retry after KV.RELEASE")
+                    state.retire(rec)
+                if state.key_busy(key):
+                    await state.wait_key(key, KEY_WAIT_SECONDS)
+                    continue
+                break
+            state.claim(key)
+            try:
+                await self.commit_new(key, parent, tokens, ttl_ms, data, sink)
+            finally:
+                state.release_claim(key)
+            return True
         finally:
-            state.release_claim(key)
-        return True
+            if sink is not None:
+                sink.abort()  # a no-op once committed
 
     def put_sink_now(
         self, ns: str, hash: bytes, parent: bytes, tokens: int, ttl_ms: int | None, sink: Any
@@ -159,14 +180,18 @@ class WritePath:
         ):
             return NOT_NOW
         key = ChunkKey(ns, hash)
+        state = self.state
         _check_sink(sink, key)
+        if state.live(key) is not None or state.key_busy(key):
+            return NOT_NOW  # NX, identical re-put, replacement or waiting: the async path
+        state.claim(key)
         sink.consume()
         try:
             meta = ChunkMeta(key, parent, tokens, sink.view.nbytes, checksum(sink.view))
-            dram.commit(meta)
-            self._publish(meta, [dram.name], ttl_ms, sink)
+            self._publish(meta, sink.place(meta), ttl_ms, sink)
         finally:
-            sink.abort()
+            state.release_claim(key)
+            sink.abort()  # a no-op once committed
         return True
 
     def _refresh(self, rkey: bytes, ttl_ms: int | None) -> None:

@@ -85,6 +85,14 @@ class ArenaTier(MemoryTier):
         del self._reserved[meta.key]
         self._publish(meta, slot.offset)
 
+    def rekey_reserved(self, old: ChunkKey, new: ChunkKey) -> None:
+        """Bind a pending reservation to another key (a payload that arrived before its
+        chunk's identity was claimed)."""
+        if new in self._reserved:
+            raise TierError(f"{self.name}: chunk {new.hex} already has a pending reservation")
+        self._reserved[new] = self._reserved_slot(old)
+        del self._reserved[old]
+
     def abort(self, key: ChunkKey) -> None:
         slot = self._reserved.pop(key, None)
         if slot is not None and not self._closed:

@@ -179,7 +179,7 @@ class MemoryTier(Tier):
 
     - ``reserve(key, nbytes)`` → a writable view of a fresh slot that no reader can see;
       raises :class:`TierFull`. ``commit(meta)`` publishes it (replacing any older copy),
-      ``abort(key)`` frees it.
+      ``abort(key)`` frees it, ``rekey_reserved(old, new)`` binds it to another key.
     - ``view(key)`` → a view of a committed chunk (valid until it is deleted; the store pins
       chunks it hands out).
     - ``handle(key)`` → (region, offset, length) for other processes; ``regions()``.
@@ -195,6 +195,10 @@ class MemoryTier(Tier):
 
     @abstractmethod
     def abort(self, key: ChunkKey) -> None: ...
+
+    @abstractmethod
+    def rekey_reserved(self, old: ChunkKey, new: ChunkKey) -> None:
+        """Bind a pending reservation to another key."""
 
     @abstractmethod
     def view(self, key: ChunkKey) -> memoryview: ...
