@@ -206,3 +206,18 @@ def test_torch_payload_view() -> None:
     view = as_bytes_view(t)
     assert len(view) == 12
     assert bytes(view) == t.view(torch.uint8).numpy().tobytes()
+
+
+def test_large_verbatim_and_blob_error_decode_like_small_ones() -> None:
+    """A verbatim string or blob error received in place (above the in-place threshold) is
+    decoded as a small one would be: no ``txt:`` prefix, an error object."""
+    from kvstrata.clients.resp import ReplyReader
+    from kvstrata.protocol.errors import RespError
+
+    got: list[object] = []
+    reader = ReplyReader(got.append, big=16, bufsize=64)
+    text = b"x" * 100
+    reader.feed(b"=%d\r\ntxt:%b\r\n" % (len(text) + 4, text))
+    reader.feed(b"!%d\r\nERR %b\r\n" % (len(text) + 4, text))
+    assert got[0] == text
+    assert isinstance(got[1], RespError) and got[1].message == text.decode()

@@ -115,6 +115,7 @@ class _Target:
     filled: int
     result: Any  # what the reply becomes once complete
     error: BaseException | None = None
+    kind: int = 0x24  # '$'; a large '=' or '!' is decoded like a small one once complete
 
 
 _AGGREGATES = frozenset(b"*%~>|")
@@ -252,7 +253,7 @@ class ReplyReader:
             self._emit(_bulk_value(kind, data))
             return True
         self._pos = start
-        self._start_target(n, out)
+        self._start_target(n, out, kind)
         return True
 
     def _bulk_out(self) -> Any:
@@ -266,7 +267,7 @@ class ReplyReader:
             return out[index] if index < len(out) else None
         return None
 
-    def _start_target(self, n: int, out: Any) -> None:
+    def _start_target(self, n: int, out: Any, kind: int = 0x24) -> None:
         error: BaseException | None = None
         view: memoryview | None = None
         result: Any = None
@@ -284,7 +285,7 @@ class ReplyReader:
         take = min(n, self._end - self._pos)
         view[:take] = self._view[self._pos : self._pos + take]
         self._pos += take
-        self._target = _Target(view, take, result, error)
+        self._target = _Target(view, take, result, error, kind)
         if take == n:
             self._finish_target()
 
@@ -292,7 +293,12 @@ class ReplyReader:
         target = self._target
         assert target is not None
         self._target = None
-        self._crlf_after = target.error if target.error is not None else target.result
+        if target.error is not None:
+            self._crlf_after = target.error
+        elif target.kind != 0x24:  # a large verbatim string or blob error
+            self._crlf_after = _bulk_value(target.kind, bytes(target.result))
+        else:
+            self._crlf_after = target.result
 
     def _emit(self, value: Any) -> None:
         stack = self._stack

@@ -308,10 +308,15 @@ class Connection(asyncio.BufferedProtocol):
             for release in dropped:
                 release()
             return
-        self._reply(result)
-        if perf_counter() - started > self.server.slowlog_threshold:
-            self.server.slowlog_record(started, args, self.client)
-        self._process()
+        try:
+            self._reply(result)
+            if perf_counter() - started > self.server.slowlog_threshold:
+                self.server.slowlog_record(started, args, self.client)
+            self._process()
+        except Exception:  # a bug here must not leave the connection silently stuck
+            log.exception("connection %s failed after %s", self.client.addr, spec.name)
+            self.server.stats.unexpected_errors += 1
+            self.kill()
 
     # -- output ---------------------------------------------------------------------------
     def _reply(self, value: Any) -> None:

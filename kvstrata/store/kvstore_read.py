@@ -175,8 +175,9 @@ class ReadPath:
                 try:
                     promoted = await self.promote(rec, src)
                     if promoted:
+                        view = dram.view(rec.key)  # before pinning: a raise leaks no pin
                         state.pin(rec)
-                        return Payload(dram.view(rec.key), self._unpinner(rec))
+                        return Payload(view, self._unpinner(rec))
                 finally:
                     state.end_move(rec)
                 if promoted is None:
