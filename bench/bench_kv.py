@@ -110,6 +110,20 @@ def loopback_gbps(size: int, rounds: int) -> float:
     return size / statistics.median(times) / 1e9
 
 
+def alternate(fns: list[Callable[[], object]], rounds: int) -> list[float]:
+    """Median seconds of each function, called in turn round after round, so that every
+    contender sees the same machine state (these VMs drift a lot from second to second)."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
 def timed(fn: Callable[[], object], rounds: int) -> float:
     fn()
     times = []
@@ -162,8 +176,8 @@ def _put_get(
 
     kv.command(b"KV.PUT", NS.encode(), h, b"", payload)
     kv.read_line()
-    t_kput, t_rput = timed(kv_put, rounds), timed(rd_put, rounds)
-    t_kget, t_rget = timed(kv_get, rounds), timed(rd_get, rounds)
+    t_kput, t_rput = alternate([kv_put, rd_put], rounds)
+    t_kget, t_rget = alternate([kv_get, rd_get], rounds)
     assert bytes(out) == bytes(payload)
     loop = loopback_gbps(size, rounds)
     cpu = [
