@@ -19,7 +19,8 @@ import pytest
 import redis
 
 from kvstrata.protocol.frames import OK
-from kvstrata.server.connection import DENIED, Connection
+from kvstrata.server.admission import DENIED
+from kvstrata.server.connection import Connection
 from kvstrata.server.registry import REGISTRY, command
 from tests.conftest import RunningServer, free_port, raw_exchange
 

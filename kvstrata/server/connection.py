@@ -13,7 +13,6 @@ that memory to the transport so the kernel writes the payload where it will live
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections import deque
@@ -29,9 +28,11 @@ from kvstrata.protocol.errors import (
     RespError,
     wrong_arity,
 )
-from kvstrata.protocol.frames import NO_REPLY, BulkView, Simple
+from kvstrata.protocol.frames import NO_REPLY, Simple
+from kvstrata.server.admission import fmt_addr, refusal
 from kvstrata.server.context import ClientState
 from kvstrata.server.intake import Intake, WithSinks, abort_sinks
+from kvstrata.server.pins import ReplyPins, release_now
 
 if TYPE_CHECKING:
     from kvstrata.server.app import Server
@@ -49,26 +50,6 @@ _NO_SINKS: dict[int, Any] = {}
 _NEVER = float("inf")
 #: as Redis: AUTH/HELLO and admin commands (CONFIG SET requirepass …) are not shown to MONITOR
 _NOT_MONITORED = frozenset({"no_auth", "admin"})
-DENIED = (
-    b"-DENIED kvstrata is running in protected mode because protected mode is enabled and no "
-    b"password is set for the default user. In this mode connections are only accepted from "
-    b"the loopback interface. If you want to connect from external computers to kvstrata you "
-    b"may adopt one of the following solutions: 1) Just disable protected mode sending the "
-    b"command 'CONFIG SET protected-mode no' from the loopback interface by connecting to "
-    b"kvstrata from the same host the server is running, however MAKE SURE kvstrata is not "
-    b"publicly accessible from internet if you do so. 2) Alternatively you can just disable the "
-    b"protected mode by setting the protected-mode option to 'no' (--protected-mode no), and "
-    b"then restarting the server. 3) Set up an authentication password for the default user "
-    b"(--requirepass). NOTE: You only need to do one of the above things in order for the "
-    b"server to start accepting connections from the outside.\r\n"
-)
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return host in ("localhost", "") or host.startswith("/")
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -81,8 +62,7 @@ class Connection(asyncio.BufferedProtocol):
         self.client = ClientState(id=0, addr="?", laddr="?")
         self._in = Intake(self._sink_for)
         self._out: list[Any] = []
-        self._out_bytes = 0
-        self._releases: list[Any] = []
+        self._pins = ReplyPins()
         self._busy = False
         self._closing = False
         self._close_after = False
@@ -92,7 +72,6 @@ class Connection(asyncio.BufferedProtocol):
         self._monitor = False
         self._task: asyncio.Task[None] | None = None
         self._queue: deque[Any] = deque()  # plain argument lists, or WithSinks
-        self._release_timer: asyncio.TimerHandle | None = None
         self._slow = 0.0  # slow-log threshold in seconds, refreshed per batch
 
     # -- asyncio callbacks ----------------------------------------------------------------
@@ -102,20 +81,14 @@ class Connection(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername") or ("", 0)
         sock = transport.get_extra_info("sockname") or ("", 0)
         self.client = ClientState(
-            id=server.next_client_id(), addr=_fmt_addr(peer), laddr=_fmt_addr(sock)
+            id=server.next_client_id(), addr=fmt_addr(peer), laddr=fmt_addr(sock)
         )
         server.stats.total_connections_received += 1
         cfg = server.config
-        if len(server.clients) >= cfg.maxclients:
+        refused = refusal(cfg, len(server.clients), peer)
+        if refused is not None:
             server.stats.rejected_connections += 1
-            transport.write(b"-ERR max number of clients reached\r\n")  # type: ignore[attr-defined]
-            transport.close()
-            self._closing = True
-            return
-        host = peer[0] if isinstance(peer, tuple) else str(peer)
-        if cfg.protected_mode and not cfg.requirepass and not is_loopback(host):
-            server.stats.rejected_connections += 1
-            transport.write(DENIED)  # type: ignore[attr-defined]
+            transport.write(refused)  # type: ignore[attr-defined]
             transport.close()
             self._closing = True
             return
@@ -132,7 +105,7 @@ class Connection(asyncio.BufferedProtocol):
             if type(item) is WithSinks:
                 self._abort_sinks(item.sinks)
         self._queue.clear()
-        self._run_releases()  # a running async command finishes; its reply is dropped
+        self._pins.release_all()  # a running async command finishes; its reply is dropped
 
     def get_buffer(self, sizehint: int) -> memoryview:
         view = self._in.get_buffer(self.server.config.values["client-query-buffer-limit"])
@@ -158,7 +131,6 @@ class Connection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        self._run_releases_if_drained()
         self._process()
 
     # -- input ----------------------------------------------------------------------------
@@ -303,10 +275,7 @@ class Connection(asyncio.BufferedProtocol):
         self._busy = False
         self._task = None
         if self._closing:
-            dropped: list[Any] = []
-            _collect_releases(result, dropped)
-            for release in dropped:
-                release()
+            release_now(result)
             return
         try:
             self._reply(result)
@@ -325,7 +294,7 @@ class Connection(asyncio.BufferedProtocol):
         if isinstance(value, RespError):
             self._reply_error(value)
             return
-        _collect_releases(value, self._releases)
+        self._pins.collect(value)
         encode_reply(value, self._resp3, self._out)
 
     def _reply_error(self, exc: RespError) -> None:
@@ -348,32 +317,10 @@ class Connection(asyncio.BufferedProtocol):
                 self.transport.write(b"".join(out))
             else:
                 self.transport.writelines(join_small(out))
-        if self._releases and self._release_timer is None:
-            self._run_releases_if_drained()
+        self._pins.written(self.transport)
         if self._close_after:
             self._closing = True
             self.transport.close()
-
-    def _run_releases_if_drained(self) -> None:
-        """Unpin reply buffers once the transport holds no reference to them. A closing
-        transport still sends (and references) what is queued: connection_lost releases."""
-        self._release_timer = None
-        if not self._releases:
-            return
-        transport = self.transport
-        if transport is None or transport.get_write_buffer_size() == 0:
-            self._run_releases()
-        elif self._release_timer is None:
-            loop = asyncio.get_running_loop()
-            self._release_timer = loop.call_later(0.0005, self._run_releases_if_drained)
-
-    def _run_releases(self) -> None:
-        releases, self._releases = self._releases, []
-        for release in releases:
-            try:
-                release()
-            except Exception:
-                log.exception("releasing a reply buffer failed")
 
     def _ahead_full(self) -> bool:
         """Decoded-but-waiting commands reached their bound (count or payload bytes)."""
@@ -454,18 +401,6 @@ class Connection(asyncio.BufferedProtocol):
         return self._busy
 
 
-def _collect_releases(value: Any, out: list[Any]) -> None:
-    """The release callbacks of every BulkView in a reply (KV.MGET nests them in a list)."""
-    t = type(value)
-    if t is BulkView:
-        if value.release is not None:
-            out.append(value.release)
-    elif t is list or t is tuple:
-        for item in value:
-            if type(item) is BulkView or type(item) is list:
-                _collect_releases(item, out)
-
-
 def _trunc(arg: Any, limit: int = 128) -> str:
     return bytes(arg[:limit]).decode("utf-8", "replace")
 
@@ -476,10 +411,3 @@ def _unknown_command(args: list[Any]) -> CommandError:
         f"unknown command '{_trunc(args[0])}', with args beginning with: {rest}".rstrip()
         + (" " if rest else "")
     )
-
-
-def _fmt_addr(addr: Any) -> str:
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        host = addr[0]
-        return f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
-    return str(addr)
