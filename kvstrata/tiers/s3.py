@@ -1,21 +1,14 @@
 """The S3 tier: one object per chunk in any S3-compatible store (AWS S3, MinIO, Ceph) via boto3.
 
-Object names are ``{prefix}/{namespace}/{first two hex of hash}/{hex hash}``; the namespace is
-escaped (``%`` → ``%25``, ``/`` → ``%2F``, and ``.`` in a namespace made only of dots) so it is one
-path segment. User metadata (``x-amz-meta-kvs-*``) carries the parent hash, tokens, codec,
-xxh3-128 checksum, size and a format version; a reader of another format version sees a miss
-and leaves the object alone. ``docs/s3.md`` describes the layout, consistency and failures.
-
 Every boto3 call runs on a bounded executor of ``max_connections`` threads. Reads land in the
 caller's buffer (``readinto`` in steps, short reads checked) and are verified against the
-stored checksum: a mismatch deletes the object and raises :class:`IntegrityError`.
+stored checksum: a mismatch deletes the object and raises :class:`IntegrityError`. Failures
+(endpoint down, timeouts, 5xx after botocore's retries) raise :class:`TierIOError`, bounded by
+``timeout`` per attempt and ``retries``; a failure of the endpoint opens a short circuit breaker.
 
-Failures (endpoint down, timeouts, 5xx after botocore's retries) raise :class:`TierIOError`,
-bounded by ``timeout`` per attempt and ``retries``. A failure of the endpoint opens a short
-circuit breaker: for ``retry_after`` seconds calls fail fast without a request, then the next
-call tries again, so the tier recovers by itself when S3 comes back. Misses are remembered for
-``negative_ttl`` seconds (a chain tail probed by every MATCH costs one HEAD, not one per
-MATCH); our own puts invalidate them, including puts that finish while a HEAD is in flight.
+Object names and metadata are in :mod:`kvstrata.tiers.s3_objects`; error translation, the negative
+cache and the breaker in :mod:`kvstrata.tiers.s3_failures`. ``docs/s3.md`` describes the layout,
+consistency and failures.
 """
 
 from __future__ import annotations
@@ -24,15 +17,12 @@ import asyncio
 import io
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import quote, unquote
 
-from kvstrata.protocol.errors import CommandError
-from kvstrata.store.keys import ChunkKey, ChunkMeta, validate_namespace
+from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers.base import (
     Buffer,
     ChunkMissing,
@@ -43,7 +33,16 @@ from kvstrata.tiers.base import (
     TierUnavailable,
     register_tier,
 )
-from kvstrata.tiers.checksum import CHECKSUM_BYTES, checksum
+from kvstrata.tiers.checksum import checksum
+from kvstrata.tiers.s3_failures import Breaker, NegativeCache, translate_error
+from kvstrata.tiers.s3_objects import (  # these and NegativeCache: tests import them from here
+    FORMAT_VERSION,
+    CorruptObject,
+    decode_metadata,
+    encode_metadata,
+    object_name,
+    parse_object_name,
+)
 
 try:
     import boto3
@@ -60,13 +59,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MiB = 1024 * 1024
-FORMAT_VERSION = "1"
 _READ_STEP = 1 * MiB  # urllib3 copies each readinto through a temporary of this size
 _MIN_PART = 5 * MiB  # S3's smallest multipart part (except the last)
-_MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
-_BUSY_CODES = frozenset({"SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError"})
-_M_VERSION, _M_PARENT, _M_TOKENS = "kvs-version", "kvs-parent", "kvs-tokens"
-_M_CODEC, _M_CHECKSUM, _M_SIZE = "kvs-codec", "kvs-checksum", "kvs-size"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,172 +104,6 @@ class S3Config:
         return cls(**values)
 
 
-# -- object names and metadata ---------------------------------------------------------------
-
-
-def _escape_namespace(ns: str) -> str:
-    escaped = ns.replace("%", "%25").replace("/", "%2F")
-    return escaped.replace(".", "%2E") if escaped.strip(".") == "" else escaped
-
-
-def object_name(prefix: str, key: ChunkKey) -> str:
-    """``{prefix}/{namespace}/{hh}/{hex}`` (no leading prefix segment when prefix is empty)."""
-    hexhash = key.hex
-    tail = f"{_escape_namespace(key.namespace)}/{hexhash[:2]}/{hexhash}"
-    prefix = prefix.strip("/")
-    return f"{prefix}/{tail}" if prefix else tail
-
-
-def parse_object_name(prefix: str, name: str) -> ChunkKey | None:
-    """The chunk an object name stands for, or None for names we did not write."""
-    prefix = prefix.strip("/")
-    head, _, hexhash = name.rpartition("/")
-    head = head.rpartition("/")[0]
-    if prefix and not head.startswith(prefix + "/"):
-        return None
-    try:
-        ns = validate_namespace(unquote(head[len(prefix) + 1 :] if prefix else head))
-        key = ChunkKey(ns, bytes.fromhex(hexhash))
-    except (CommandError, ValueError):
-        return None
-    return key if 1 <= len(key.hash) <= 64 and object_name(prefix, key) == name else None
-
-
-def encode_metadata(meta: ChunkMeta) -> dict[str, str]:
-    return {
-        _M_VERSION: FORMAT_VERSION,
-        _M_PARENT: meta.parent.hex(),
-        _M_TOKENS: str(meta.tokens),
-        _M_CODEC: quote(meta.codec, safe=""),
-        _M_CHECKSUM: meta.checksum.hex(),
-        _M_SIZE: str(meta.size),
-    }
-
-
-class _Corrupt(Exception):
-    """An object under our names whose metadata or bytes are not what we wrote."""
-
-
-def decode_metadata(key: ChunkKey, md: Mapping[str, str], length: int) -> ChunkMeta | None:
-    """ChunkMeta from user metadata; None for another format version; raises _Corrupt."""
-    version = md.get(_M_VERSION)
-    if version is None:
-        raise _Corrupt("no kvstrata metadata")
-    if version != FORMAT_VERSION:
-        return None
-    try:
-        size, tokens = int(md[_M_SIZE]), int(md[_M_TOKENS])
-        parent, digest = bytes.fromhex(md[_M_PARENT]), bytes.fromhex(md[_M_CHECKSUM])
-        codec = unquote(md[_M_CODEC])
-    except (KeyError, ValueError) as exc:
-        raise _Corrupt(f"bad metadata: {exc!r}") from None
-    if size != length or tokens < 0 or len(digest) != CHECKSUM_BYTES:
-        raise _Corrupt(f"metadata says {size} bytes, object has {length}")
-    return ChunkMeta(key, parent, tokens, size, digest, codec)
-
-
-# -- failure handling and the negative cache -------------------------------------------------
-
-
-def translate_error(exc: Exception, what: str) -> tuple[TierError, bool]:
-    """The tier error for a boto3/botocore failure, and whether the endpoint itself failed."""
-    if isinstance(exc, ClientError):
-        err = exc.response.get("Error", {})
-        code = str(err.get("Code", ""))
-        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        if code in _MISSING_CODES:
-            return ChunkMissing(what), False
-        down = status >= 500 or code in _BUSY_CODES
-        return TierIOError(f"s3 {what}: {code or status} {err.get('Message', '')}".strip()), down
-    return TierIOError(f"s3 {what}: {type(exc).__name__}: {exc}"), True
-
-
-class NegativeCache:
-    """Recent misses, invalidated by our own writes (even ones racing an in-flight HEAD).
-
-    A lookup records ``seq()`` before its request; ``miss(key, since)`` then refuses to cache
-    when a write of that key finished after ``since``. Writes are remembered in a bounded
-    history; when entries newer than ``since`` may have been dropped from it, nothing is cached.
-    """
-
-    def __init__(self, ttl: float, limit: int = 65536) -> None:
-        self.ttl, self.limit = ttl, limit
-        self._misses: OrderedDict[ChunkKey, float] = OrderedDict()
-        self._writes: OrderedDict[ChunkKey, int] = OrderedDict()
-        self._seq = 0
-        self._dropped_upto = 0
-
-    def __len__(self) -> int:
-        return len(self._misses)
-
-    def seq(self) -> int:
-        return self._seq
-
-    def hit(self, key: ChunkKey) -> bool:
-        expires = self._misses.get(key)
-        if expires is None:
-            return False
-        if expires > time.monotonic():
-            return True
-        del self._misses[key]
-        return False
-
-    def miss(self, key: ChunkKey, since: int) -> None:
-        if self.ttl <= 0 or self._dropped_upto > since or self._writes.get(key, 0) > since:
-            return
-        now = time.monotonic()
-        self._misses[key] = now + self.ttl
-        self._misses.move_to_end(key)
-        while self._misses and (
-            len(self._misses) > self.limit or next(iter(self._misses.values())) <= now
-        ):
-            self._misses.popitem(last=False)
-
-    def wrote(self, key: ChunkKey) -> None:
-        self._seq += 1
-        self._misses.pop(key, None)
-        self._writes[key] = self._seq
-        self._writes.move_to_end(key)
-        while len(self._writes) > self.limit:
-            _, seq = self._writes.popitem(last=False)
-            self._dropped_upto = max(self._dropped_upto, seq)
-
-
-class _Breaker:
-    """Fail fast for ``retry_after`` seconds after the endpoint failed; then try again."""
-
-    def __init__(self, retry_after: float) -> None:
-        self.retry_after = retry_after
-        self.until = 0.0
-        self.trips = 0
-        self.rejected = 0
-        self.last_error = ""
-
-    @property
-    def open(self) -> bool:
-        return time.monotonic() < self.until
-
-    def check(self) -> None:
-        if self.open:
-            self.rejected += 1
-            raise TierIOError(
-                f"s3 unavailable ({self.last_error}); retrying in "
-                f"{max(0.0, self.until - time.monotonic()):.1f} s"
-            )
-
-    def trip(self, error: str) -> None:
-        if not self.open:
-            self.trips += 1
-            log.warning(
-                "s3: endpoint failed (%s); failing fast for %.1f s", error, self.retry_after
-            )
-        self.last_error = error
-        self.until = time.monotonic() + self.retry_after
-
-
-# -- the tier ----------------------------------------------------------------------------
-
-
 class S3Tier(Tier):
     """Chunks as S3 objects; see the module docstring. Capacity is unbounded (0)."""
 
@@ -313,7 +141,7 @@ class S3Tier(Tier):
             max_concurrency=self._concurrency,
         )
         self._negative = NegativeCache(config.negative_ttl)
-        self._breaker = _Breaker(config.retry_after)
+        self._breaker = Breaker(config.retry_after)
         self._sizes: dict[ChunkKey, int] = {}  # objects we know of: put, read or scanned
         self._used = 0
         self._closed = False
@@ -363,8 +191,8 @@ class S3Tier(Tier):
         try:
             meta = decode_metadata(key, md, length)
             if meta is not None and digest != meta.checksum:
-                raise _Corrupt(f"checksum {digest.hex()} != stored {meta.checksum.hex()}")
-        except _Corrupt as exc:
+                raise CorruptObject(f"checksum {digest.hex()} != stored {meta.checksum.hex()}")
+        except CorruptObject as exc:
             await self._quarantine(key, str(exc))
             raise IntegrityError(f"s3 chunk {key.namespace}/{key.hex}: {exc}") from None
         if meta is None:
@@ -380,7 +208,7 @@ class S3Tier(Tier):
         since = self._negative.seq()
         try:
             existed = await self._head(key) is not None
-        except _Corrupt:
+        except CorruptObject:
             existed = True
         if existed:
             await self._call("delete", self._client.delete_object, **self._loc(key))
@@ -399,7 +227,7 @@ class S3Tier(Tier):
         since = self._negative.seq()
         try:
             meta = await self._head(key)
-        except _Corrupt as exc:
+        except CorruptObject as exc:
             await self._quarantine(key, str(exc))
             return None
         if meta is None:
@@ -503,7 +331,7 @@ class S3Tier(Tier):
         return {"Bucket": self.config.bucket, "Key": object_name(self.prefix, key)}
 
     async def _head(self, key: ChunkKey) -> ChunkMeta | None:
-        """HEAD → metadata, None when absent or of another format; raises _Corrupt."""
+        """HEAD → metadata, None when absent or of another format; raises CorruptObject."""
         try:
             resp = await self._call("head", self._client.head_object, **self._loc(key))
         except ChunkMissing:
