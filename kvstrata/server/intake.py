@@ -19,7 +19,7 @@ from kvstrata.protocol import decoder
 from kvstrata.protocol.errors import ProtocolError
 
 BIG = 64 * 1024  # bulk arguments at least this large are received in place
-INITIAL_BUFFER = 256 * 1024
+INITIAL_BUFFER = 64 * 1024
 
 
 class BytesSink:
