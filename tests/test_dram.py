@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
-import subprocess
-import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -191,23 +190,29 @@ def test_second_process_reads_exact_bytes_at_handle() -> None:
 
 
 def test_stale_arena_of_dead_process_is_reclaimed() -> None:
-    """A server killed before close() leaves its segment; the next start removes it."""
-    child = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    dead = int(child.stdout)
-    stale = f"/dev/shm/kvstrata-reclaim-{dead}-0"
-    alive = f"/dev/shm/kvstrata-reclaim-{os.getppid()}-0"
-    for path in (stale, alive):
+    """A server killed before close() leaves its segment; the next start removes it. A segment
+    a live server holds (its lock) is kept, even when its name's pid means nothing here (a
+    server in another PID namespace sharing /dev/shm), and so is a segment too young to have
+    been locked yet."""
+    import fcntl
+
+    stale = "/dev/shm/kvstrata-reclaim-999999-0"
+    alive = "/dev/shm/kvstrata-reclaim-999998-0"
+    young = "/dev/shm/kvstrata-reclaim-999997-0"
+    for path in (stale, alive, young):
         with open(path, "wb") as f:
             f.write(b"x")
+    old = time.time() - 60
+    os.utime(stale, (old, old))
+    os.utime(alive, (old, old))
+    holder = os.open(alive, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)
     try:
         tier = DramTier(DramConfig(capacity=MiB, name_prefix="kvstrata-reclaim"))
         assert tier.reclaimed == [os.path.basename(stale)]
-        assert not os.path.exists(stale) and os.path.exists(alive)
+        assert not os.path.exists(stale) and os.path.exists(alive) and os.path.exists(young)
         asyncio.run(tier.close())
     finally:
+        os.close(holder)
         os.unlink(alive)
+        os.unlink(young)

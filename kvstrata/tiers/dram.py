@@ -14,7 +14,8 @@ Everything here runs on the event loop without awaiting: a copy of a 32 MiB chun
 milliseconds of memcpy.
 
 Segments of processes killed before ``close()`` are reclaimed when the next tier with the same
-prefix starts (the pid in the name is checked).
+prefix starts: every server holds a shared ``flock`` on its own segment for its whole life, so a
+segment nobody holds is stale (this works across PID namespaces sharing ``/dev/shm``).
 
 Python 3.11's resource tracker would unlink the segment when *any* process that attached it
 exits; the tier unregisters it after creating it and unlinks it itself on ``close()`` (or at
@@ -24,6 +25,7 @@ interpreter exit). Processes that attach by name must unregister it too (see
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import os
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 PAGE = 4096
 _TOUCH_STEP = 64 * 1024 * 1024
 _arena_numbers = itertools.count()
+STALE_AFTER_SECONDS = 5.0  # a younger segment may belong to a server still starting
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,33 +77,66 @@ def _unlink_shm(name: str) -> None:
     shm.unlink()
 
 
-def _pid_alive(pid: int) -> bool:
+def _hold(name: str, shm_dir: str = "/dev/shm") -> int:
+    """Take the shared lock that marks our arena as alive; -1 when it cannot be taken."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _held(path: str) -> bool:
+    """Whether a live process holds the arena's lock (every server holds a shared flock on its
+    own arena for its whole life; the kernel drops it when the process dies, whatever PID
+    namespace it ran in)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
         return True
-    return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
-def reclaim_stale_arenas(prefix: str, shm_dir: str = "/dev/shm") -> list[str]:
-    """Unlink ``{prefix}-{pid}-{n}`` segments whose process is gone (killed without close())."""
+def reclaim_stale_arenas(
+    prefix: str, shm_dir: str = "/dev/shm", min_age: float = STALE_AFTER_SECONDS
+) -> list[str]:
+    """Unlink ``{prefix}-{pid}-{n}`` segments that no live server holds (killed without
+    close()). A segment younger than ``min_age`` seconds is left alone: its server may not have
+    taken its lock yet."""
     pattern = re.compile(rf"{re.escape(prefix)}-(\d+)-\d+")
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return []
     removed = []
+    now = time.time()
     for name in names:
-        m = pattern.fullmatch(name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-            except OSError:
-                continue
-            removed.append(name)
-            log.warning("dram: removed stale arena %s of a process that is gone", name)
+        if not pattern.fullmatch(name):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            young = now - os.stat(path).st_mtime < min_age
+        except OSError:
+            continue
+        if young or _held(path):
+            continue
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(name)
+        log.warning("dram: removed stale arena %s (no live server holds it)", name)
     return removed
 
 
@@ -125,6 +161,7 @@ class DramTier(ArenaTier):
                 f"cannot create shared memory {shm_name} ({size} B): {exc}"
             ) from exc
         resource_tracker.unregister(f"/{self._shm.name}", "shared_memory")
+        self._lock_fd = _hold(self._shm.name)
         self._finalizer = weakref.finalize(self, _unlink_shm, self._shm.name)
         buf = self._shm.buf
         assert buf is not None
@@ -234,6 +271,9 @@ class DramTier(ArenaTier):
             setattr(self._shm, "_mmap", None)  # noqa: B010
             self._shm.close()
         _unlink_shm(name)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
 
 # Registered by call rather than as a decorator so that type checkers keep the class type.
