@@ -113,3 +113,34 @@ def test_second_process_reads_reserved_bytes_in_place(make_process_server) -> No
     assert digest == hashlib.sha256(expected).hexdigest()
     r = redis.Redis(port=srv.port)
     assert r.execute_command("KV.GET", NS, b"z") == expected
+
+
+def test_client_remaps_regions_after_a_server_restart(make_process_server, tmp_path) -> None:
+    """Scenario: a long-lived client leases chunks from a server, the server restarts on the
+    same port (its arena is a new shared-memory segment under the same region name), and the
+    client leases again: it must read the new server's bytes, not the old mapping's."""
+    from kvstrata.clients import Client
+    from tests.conftest import free_port
+
+    MiB = 1 << 20
+    port = free_port()
+    first = make_process_server(data_dir=tmp_path / "a", port=port, nvme_capacity=0)
+    with Client(port=port) as kv:
+        kv.put(NS, b"h1", None, b"A" * MiB)
+        kv.put(NS, b"h2", b"h1", b"B" * MiB)
+        with kv.lease(NS, [b"h1"]) as lease:
+            assert bytes(lease.views()[0][:4]) == b"AAAA"
+        first.stop()
+        make_process_server(data_dir=tmp_path / "b", port=port, nvme_capacity=0)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                kv.put(NS, b"h3", None, b"C" * MiB)
+                break
+            except Exception:  # the pool's old connections fail until they are replaced
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        kv.put(NS, b"h1", b"h3", b"D" * MiB)
+        with kv.lease(NS, [b"h1"]) as lease:
+            assert bytes(lease.views()[0]) == b"D" * MiB

@@ -129,6 +129,7 @@ class AsyncClient:
         self.settings = ConnectionSettings(host=host, port=port, **kwargs)
         self.pool = AsyncConnectionPool(self.settings, max_connections)
         self._regions: dict[str, RegionInfo] = {}
+        self._regions_generation = -1
 
     @classmethod
     async def connect(cls, host: str = "127.0.0.1", port: int = 7379, **kwargs: Any) -> AsyncClient:
@@ -163,10 +164,12 @@ class AsyncClient:
     async def regions(self, refresh: bool = True) -> list[RegionInfo]:
         if refresh or not self._regions:
             self._regions = {r.name: r for r in await self._run(cmd.regions())}
+            self._regions_generation = self.pool.generation
         return list(self._regions.values())
 
     async def _regions_for(self, names: set[str]) -> dict[str, RegionInfo]:
-        if not names <= self._regions.keys():
+        # see Client._regions_for: a new connection may mean a restarted server
+        if self._regions_generation != self.pool.generation or not names <= self._regions.keys():
             await self.regions()
         return self._regions
 
@@ -181,8 +184,12 @@ class AsyncClient:
         grant = await self._run(cmd.lease(ns, hashes, ttl_ms, lease_tier(tier)))
         if grant is None:
             return None
-        regions = await self._regions_for({h.region for h in grant.handles})
-        return AsyncLease(self, ns, [bytes(cmd.hash_bytes(h)) for h in hashes], grant, regions)
+        try:
+            regions = await self._regions_for({h.region for h in grant.handles})
+            return AsyncLease(self, ns, [bytes(cmd.hash_bytes(h)) for h in hashes], grant, regions)
+        except BaseException:
+            await self.release(grant.lease_id)  # don't leave the chunks pinned until the TTL
+            raise
 
     async def reserve(
         self,
@@ -195,8 +202,12 @@ class AsyncClient:
         tier: str | None = None,
     ) -> AsyncWriteLease:
         grant = await self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms, tier))
-        regions = await self._regions_for({grant.handle.region})
-        return AsyncWriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
+        try:
+            regions = await self._regions_for({grant.handle.region})
+            return AsyncWriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
+        except BaseException:
+            await self.abort(grant.lease_id)  # free the reserved slot now, not at the TTL
+            raise
 
     commit = _command(cmd.commit)
     abort = _command(cmd.abort)

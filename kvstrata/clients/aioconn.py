@@ -195,6 +195,7 @@ class AsyncConnectionPool:
         self._slots = asyncio.Semaphore(max_connections)
         self._all: set[AsyncConnection] = set()
         self._closed = False
+        self.generation = 0  # bumped per new connection (see ConnectionPool.generation)
 
     async def acquire(self) -> AsyncConnection:
         if self._closed:
@@ -210,6 +211,7 @@ class AsyncConnectionPool:
         except BaseException:
             self._slots.release()
             raise
+        self.generation += 1
         self._all.add(conn)
         return conn
 

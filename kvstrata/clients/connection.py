@@ -235,6 +235,9 @@ class ConnectionPool:
         self._count = 0
         self._cond = threading.Condition()
         self._closed = False
+        #: bumped for every new connection: a server restart always means new connections,
+        #: so clients drop what they cached about the server's regions when it changes
+        self.generation = 0
 
     def acquire(self, timeout: float | None = None) -> SyncConnection:
         with self._cond:
@@ -249,7 +252,9 @@ class ConnectionPool:
                 if not self._cond.wait(timeout):
                     raise TimeoutError("no free connection in the pool")
         try:
-            return SyncConnection(self.settings)  # connect outside the lock
+            conn = SyncConnection(self.settings)  # connect outside the lock
+            self.generation += 1
+            return conn
         except BaseException:
             with self._cond:
                 self._count -= 1

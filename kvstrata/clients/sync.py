@@ -146,6 +146,7 @@ class Client:
         self.settings = ConnectionSettings(host=host, port=port, **kwargs)
         self.pool = ConnectionPool(self.settings, max_connections)
         self._regions: dict[str, RegionInfo] = {}
+        self._regions_generation = -1
         self.pool.release(self.pool.acquire())  # connect now: fail fast on a wrong address
 
     @classmethod
@@ -175,10 +176,13 @@ class Client:
     def regions(self, refresh: bool = True) -> list[RegionInfo]:
         if refresh or not self._regions:
             self._regions = {r.name: r for r in self._run(cmd.regions())}
+            self._regions_generation = self.pool.generation
         return list(self._regions.values())
 
     def _regions_for(self, names: set[str]) -> dict[str, RegionInfo]:
-        if not names <= self._regions.keys():
+        # A new connection may mean a restarted server whose regions have the same names but
+        # other shared-memory segments behind them: ask again rather than map stale memory.
+        if self._regions_generation != self.pool.generation or not names <= self._regions.keys():
             self.regions()
         return self._regions
 
@@ -197,8 +201,12 @@ class Client:
         grant = self._run(cmd.lease(ns, hashes, ttl_ms, lease_tier(tier)))
         if grant is None:
             return None
-        regions = self._regions_for({h.region for h in grant.handles})
-        return Lease(self, ns, [bytes(cmd.hash_bytes(h)) for h in hashes], grant, regions)
+        try:
+            regions = self._regions_for({h.region for h in grant.handles})
+            return Lease(self, ns, [bytes(cmd.hash_bytes(h)) for h in hashes], grant, regions)
+        except BaseException:
+            self.release(grant.lease_id)  # don't leave the chunks pinned until the TTL
+            raise
 
     def reserve(
         self,
@@ -212,8 +220,12 @@ class Client:
     ) -> WriteLease:
         """Reserve an invisible slot to fill in place; commit publishes it."""
         grant = self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms, tier))
-        regions = self._regions_for({grant.handle.region})
-        return WriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
+        try:
+            regions = self._regions_for({grant.handle.region})
+            return WriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
+        except BaseException:
+            self.abort(grant.lease_id)  # free the reserved slot now, not at the TTL
+            raise
 
     commit = _command(cmd.commit)
     abort = _command(cmd.abort)
