@@ -216,3 +216,22 @@ def test_match_prefetch_promotes_in_background() -> None:
             assert store.prefetch(NS, hashes) == 0
 
     run(main())
+
+
+def test_victim_lost_to_another_mover_stays_a_candidate() -> None:
+    """Scenario: eviction picks a chunk, but another mover (a promotion, a prefetch) starts
+    moving it before the eviction does. The eviction gives up on it, and the chunk is still
+    an eviction candidate once that move is over."""
+
+    async def main() -> None:
+        async with open_store([make_dram(8 * SLOT)], start=False) as store:
+            assert await store.put(NS, b"x", b"", blob(1))
+            rec = store.index.get(ChunkKey(NS, b"x"))
+            placement = store.placement
+            assert placement.pick(0, 1) == [rec]  # popped from DRAM's candidates
+            assert store.state.begin_move(rec)  # someone else moves it first
+            assert await placement.move_down(rec, 0) is False
+            store.state.end_move(rec)
+            assert placement.pick(0, 1) == [rec]  # still a candidate
+
+    run(main())

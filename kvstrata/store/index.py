@@ -119,6 +119,21 @@ class ChunkIndex:
             return None
         return self._records.get(ChunkKey(rec.key.namespace, rec.parent))
 
+    def makes_cycle(self, key: ChunkKey, parent: bytes) -> bool:
+        """Whether linking ``key`` under ``parent`` closes a loop of parent links (possible
+        only when ``key`` already has children, stored before it)."""
+        if not parent or not self._children.get(key):
+            return False
+        link = ChunkKey(key.namespace, parent)
+        for _ in range(len(self._records) + 1):  # each step climbs one parent link
+            if link == key:
+                return True
+            rec = self._records.get(link)
+            if rec is None or not rec.parent:
+                return False
+            link = ChunkKey(key.namespace, rec.parent)
+        return False
+
     def children_of(self, rec: ChunkRecord) -> list[ChunkRecord]:
         ns = rec.key.namespace
         out = []

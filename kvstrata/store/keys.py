@@ -86,9 +86,11 @@ def validate_hash(raw: bytes | bytearray | memoryview, what: str = "hash") -> by
     return data
 
 
-def validate_parent(raw: bytes | bytearray | memoryview) -> bytes:
-    """A parent is empty (first chunk) or a valid hash."""
+def validate_parent(raw: bytes | bytearray | memoryview, hash: bytes | None = None) -> bytes:
+    """A parent is empty (first chunk) or a valid hash other than the chunk's own."""
     data = bytes(raw)
     if not data:
         return b""
+    if hash is not None and data == hash:
+        raise CommandError("invalid parent: a chunk cannot be its own parent")
     return validate_hash(data, "parent")

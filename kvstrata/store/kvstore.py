@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstrata.config import Config
+from kvstrata.protocol.errors import CommandError
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace, now_ms
@@ -234,6 +235,12 @@ class KVStore:
         if self.wants_remote(len(local), len(hashes)):
             return await self.match_remote(ns, hashes, local)
         return local
+
+    def check_link(self, ns: str, hash: bytes, parent: bytes) -> None:
+        """Refuse a parent link that would close a loop (a chunk in a loop is never a leaf,
+        so it could never be evicted)."""
+        if self.index.makes_cycle(ChunkKey(ns, hash), parent):
+            raise CommandError("invalid parent: the chain would loop back to this chunk")
 
     def match(self, ns: str, hashes: Sequence[bytes]) -> int:
         """Number of leading chunks of the chain this node knows (index only)."""

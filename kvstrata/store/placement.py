@@ -190,6 +190,9 @@ class Placement:
         state = self.state
         name = state.tiers[i].name
         if not state.begin_move(rec):
+            # another mover got it first: put it back among the candidates (pick() popped it)
+            if rec.alive and name in rec.tiers:
+                self.changed(rec, name)
             return False
         moved = False
         try:
@@ -197,8 +200,10 @@ class Placement:
                 return False
             if not await self._keep_below(rec, i):
                 return False
-            if not rec.alive or rec.pins > 1:
-                return False  # deleted meanwhile (freed later) or a reader pinned it: keep
+            if not rec.alive or rec.pins > 1 or not rec.is_leaf_in(name):
+                # deleted meanwhile (freed later), a reader pinned it, or a child arrived in
+                # this tier during the write-back: keep it
+                return False
             await state.delete_copy(rec, name)
             if rec.tiers:
                 state.counters[name].demotions += 1

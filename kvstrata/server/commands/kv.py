@@ -94,7 +94,7 @@ def _put_sink(ctx: Any, args_so_far: list[Any], nbytes: int) -> Any:
     try:
         ns = validate_namespace(args_so_far[1])
         h = validate_hash(args_so_far[2])
-        parent = validate_parent(args_so_far[3])
+        parent = validate_parent(args_so_far[3], h)
     except RespError:
         return None
     return store.reserve_put(ns, h, parent, nbytes)
@@ -130,9 +130,10 @@ _PUT_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
 def kv_put(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     h = validate_hash(args[2])
-    parent = validate_parent(args[3])
+    parent = validate_parent(args[3], h)
     opts = parse_options(args, 5, _PUT_OPTIONS)
     store = store_of(ctx)
+    store.check_link(ns, h, parent)
     sink = ctx.sinks.get(4)
     payload = args[4] if sink is None else sink.view
     if not memoryview(payload).nbytes:

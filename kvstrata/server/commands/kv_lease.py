@@ -119,7 +119,8 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
 async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     h = validate_hash(args[2])
-    parent = validate_parent(args[3])
+    parent = validate_parent(args[3], h)
+    store_of(ctx).check_link(ns, h, parent)
     nbytes = int_option(args[4], "nbytes", 1, 2**62)
     opts = parse_options(
         args,
