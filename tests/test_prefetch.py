@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvstrata.store.prefetch import PrefetchScheduler
+from kvstrata.store.prefetch import PrefetchRequest, PrefetchScheduler
 from kvstrata.store.sessions import SessionTable
 from tests.fakes import FakeTier, chain, make_dram, open_store
 from tests.test_kv_commands import call, error, with_ctx
@@ -159,17 +159,34 @@ def test_duplicates_and_session_supersede() -> None:
 
 
 def test_bandwidth_cap_paces_chunks_on_one_clock() -> None:
-    """With a byte budget the workers reserve consecutive slots on one virtual clock."""
+    """With a byte budget the workers reserve consecutive slots on one virtual clock; a new
+    rate (CONFIG SET) forgets the debt owed at the old one, and a request cancelled or past
+    its deadline while waiting moves nothing."""
 
     async def main() -> None:
         now = [100.0]
-        sched = PrefetchScheduler(lambda k, t: asyncio.sleep(0, 0), 4, 2, lambda: 1000,
+        rate = [1000]
+        sched = PrefetchScheduler(lambda k, t: asyncio.sleep(0, 0), 4, 2, lambda: rate[0],
                                   clock=lambda: now[0])  # fmt: skip
-        await sched._pace(500)  # starts at once, next slot half a second later
+        req = PrefetchRequest(1, NS, (b"h",), "dram", None)
+        assert await sched._pace(500, req)  # starts at once, next slot half a second later
         assert sched._next_slot == 100.5
-        sched.bandwidth = lambda: 0
-        await sched._pace(10**9)  # no cap: no wait, no slot
-        assert sched._next_slot == 100.5
+        sched._charge(2_000_000)  # a large chunk at 1 kB/s: the next slot is far away
+        assert sched._next_slot > 2000
+        rate[0] = 10**12  # raised: the debt at the old rate is forgotten
+        assert await asyncio.wait_for(sched._pace(500, req), 1)
+        assert sched._next_slot < 101
+        rate[0] = 0
+        assert await sched._pace(10**9, req)  # no cap: no wait, no slot
+        rate[0] = 1
+        assert await sched._pace(0, req)  # the scheduler has seen the new rate
+        sched._charge(10)  # next slot 10 s away
+        waiting = asyncio.ensure_future(sched._pace(10, req))
+        await asyncio.sleep(0.01)
+        req.state = "cancelled"
+        assert await asyncio.wait_for(waiting, 1) is False
+        late = PrefetchRequest(2, NS, (b"h",), "dram", deadline=now[0] - 1)
+        assert await sched._pace(10, late) is False
 
     run(main())
 

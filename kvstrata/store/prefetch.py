@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 from kvstrata.store.keys import ChunkKey
 
+PACE_STEP = 0.05  # seconds a paced worker sleeps before looking at the rate and request again
+
 log = logging.getLogger("kvstrata.store.prefetch")
 
 #: moves one chunk to the target tier; returns the bytes moved (0: already there or missing)
@@ -87,6 +89,7 @@ class PrefetchScheduler:
         self._idle = asyncio.Event()
         self._idle.set()
         self._next_slot = 0.0
+        self._rate_seen = 0
         self._ids = 0
         self.running = 0
         self.counts = dict.fromkeys(
@@ -188,8 +191,10 @@ class PrefetchScheduler:
             req.running += 1
             self.running += 1
             try:
-                await self._pace(self.size_of(key))
-                moved = await self.fetch(key, req.target)
+                known = self.size_of(key)
+                moved = await self.fetch(key, req.target) if await self._pace(known, req) else 0
+                if moved > known:
+                    self._charge(moved - known)  # a chunk the index did not know (from S3)
             except Exception:
                 moved = 0
                 self.counts["errors"] += 1
@@ -230,15 +235,29 @@ class PrefetchScheduler:
                 self._finish(req, "done")
         return None
 
-    async def _pace(self, nbytes: int) -> None:
+    async def _pace(self, nbytes: int, req: PrefetchRequest) -> bool:
+        """Wait for the bandwidth budget of ``nbytes``; False when the request was cancelled
+        or passed its deadline meanwhile (the chunk is then not moved). The rate is read again
+        every step, so ``CONFIG SET prefetch-bandwidth`` applies to waiting workers too."""
+        while True:
+            if req.finished or (req.deadline is not None and req.deadline <= self.clock()):
+                return False
+            rate = self.bandwidth()
+            if rate != self._rate_seen:  # a new rate: forget what was owed at the old one
+                self._rate_seen = rate
+                self._next_slot = min(self._next_slot, self.clock())
+            if rate <= 0 or nbytes <= 0:
+                return True
+            wait = self._next_slot - self.clock()
+            if wait <= 0:
+                self._charge(nbytes)
+                return True
+            await asyncio.sleep(min(wait, PACE_STEP))
+
+    def _charge(self, nbytes: int) -> None:
         rate = self.bandwidth()
-        if rate <= 0 or nbytes <= 0:
-            return
-        now = self.clock()
-        start = max(self._next_slot, now)
-        self._next_slot = start + nbytes / rate
-        if start > now:
-            await asyncio.sleep(start - now)
+        if rate > 0 and nbytes > 0:
+            self._next_slot = max(self._next_slot, self.clock()) + nbytes / rate
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
