@@ -195,3 +195,40 @@ def test_store_a_cache_computed_elsewhere(model: object) -> None:
     res = pc.prefill(ids, store=False)
     assert res.reused_tokens == 32
     torch.testing.assert_close(res.logits, recompute_logits(model, ids), rtol=0, atol=REASSOC_ATOL)
+
+
+class _FailingPuts(FakeKVClient):
+    """A client whose first ``fails`` puts raise."""
+
+    def __init__(self, fails: int) -> None:
+        super().__init__()
+        self.fails = fails
+
+    def put(
+        self, namespace: str, hash: bytes, parent: bytes | None, payload: object, tokens: int = 0
+    ) -> bool:
+        if self.fails:
+            self.fails -= 1
+            raise ConnectionError(f"put failed, {self.fails} more to go")
+        return super().put(namespace, hash, parent, payload, tokens)
+
+
+def test_wait_stored_counts_every_failed_store_and_raises_the_first(model: object) -> None:
+    """Three background stores, the first two fail: wait_stored waits for all three, records
+    both errors, raises the first; the third store landed and a second wait has nothing left."""
+    client = _FailingPuts(fails=2)
+    pc = HFPrefixCache(model, client, chunk_tokens=C)
+    for seed in (1, 2, 3):
+        ids = _ids(C, seed)
+        with torch.inference_mode():
+            cache = model(ids, use_cache=True).cache  # type: ignore[operator]
+        pc.store(ids, cache)
+    with pytest.raises(ConnectionError, match="1 more to go"):
+        pc.wait_stored(timeout=30)
+    assert [str(e) for e in pc.store_errors] == [
+        "put failed, 1 more to go",
+        "put failed, 0 more to go",
+    ]
+    assert len(client.store) == 1
+    assert pc.wait_stored() == 1
+    pc.close()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -221,11 +221,25 @@ class HFPrefixCache:
             self._store_async(cache, hashes, skip, len(hashes))
 
     def wait_stored(self, timeout: float | None = None) -> int:
-        """Wait for background stores; return chunks stored so far. Re-raises a store error."""
+        """Wait for every background store; return chunks stored so far. Each failed store is
+        recorded (:attr:`store_errors`) and the first one re-raised once all are done. On
+        ``timeout`` a ``TimeoutError`` is raised and every store stays pending for the next
+        call."""
         pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result(timeout)
+        _, running = wait(pending, timeout)
+        if running:
+            self._pending[:0] = pending
+            raise TimeoutError(f"{len(running)} background stores still running")
+        failures = [exc for fut in pending if (exc := fut.exception()) is not None]
+        self._stats.errors.extend(failures)
+        if failures:
+            raise failures[0]
         return self._stats.stored_chunks
+
+    @property
+    def store_errors(self) -> tuple[BaseException, ...]:
+        """Every background store failure collected by :meth:`wait_stored` so far."""
+        return tuple(self._stats.errors)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
