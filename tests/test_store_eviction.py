@@ -235,3 +235,39 @@ def test_victim_lost_to_another_mover_stays_a_candidate() -> None:
             assert placement.pick(0, 1) == [rec]  # still a candidate
 
     run(main())
+
+
+def test_concurrent_demotions_into_full_nvme_evict_nvme_victims(tmp_path: Path) -> None:
+    """Scenario: a real NvmeTier has room for one more chunk file and holds five older chunks.
+    Four DRAM chunks are demoted at once: all four see room, but NVMe counts the writes in
+    flight against its capacity, so three puts hit TierFull while the placement still sees
+    free space. Each of those demotions then evicts NVMe's least recently used chunks until its
+    write fits: all four land on NVMe, none stays behind in DRAM, NVMe stays within capacity."""
+    size = 5000
+    per_file = 4096 + 8192  # header + payload rounded up to 4 KiB blocks
+    nvme = NvmeTier(NvmeConfig(path=str(tmp_path / "nvme"), capacity=6 * per_file))
+
+    async def main() -> None:
+        async with open_store([make_dram(32 * SLOT), nvme], start=False) as store:
+            old, new = chain(5, b"o"), chain(4, b"n")
+            for i, h in enumerate(old):
+                assert await store.put(NS, h, b"", blob(i, size))
+            assert await store.placement.make_room(0, 32 * SLOT)
+            assert store.match_tiers(NS, old) == ["nvme"] * 5
+            assert nvme.capacity - nvme.used == per_file
+            for i, h in enumerate(new):
+                assert await store.put(NS, h, b"", blob(10 + i, size))
+            victims = store.placement.pick(0, 4 * size)
+            assert sorted(r.key.hash for r in victims) == new
+            moved = await asyncio.gather(*(store.placement.move_down(r, 0) for r in victims))
+            assert moved == [True] * 4
+            assert [store.match_tiers(NS, [h]) for h in new] == [["nvme"]] * 4
+            assert store.stats()["nvme"]["evictions"] == 3 and nvme.used == nvme.capacity
+            assert sum(store.match_tiers(NS, [h]) == ["nvme"] for h in old) == 2
+            for i, h in enumerate(new):
+                p = await store.get(NS, h)
+                assert bytes(p.view) == blob(10 + i, size)
+                if p.release is not None:
+                    p.release()
+
+    run(main())

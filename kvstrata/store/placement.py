@@ -339,16 +339,23 @@ class Placement:
         return True
 
     async def put_with_room(self, j: int, meta: ChunkMeta, data: Buffer) -> None:
-        """Store ``data`` in tier ``j``, making room first if needed; raises TierError."""
+        """Store ``data`` in tier ``j``, making room first if needed; raises TierError.
+
+        A tier may count more than :meth:`free_for` sees (NVMe adds its writes in flight and
+        rounds files up to 4 KiB blocks), so ``make_room`` can report room the put then lacks.
+        After a TierFull one more round of victims leaves, until the put fits or none can."""
         tier = self.state.tiers[j]
         if self.free_for(tier) < meta.size:
             await self.make_room(j, meta.size)
-        try:
-            await tier.put(meta, data)
-        except TierFull:
-            if not await self.make_room(j, meta.size):
-                raise
-            await tier.put(meta, data)
+        while True:
+            try:
+                await tier.put(meta, data)
+                return
+            except TierFull:
+                if not self.bounded(tier) or meta.size > tier.capacity:
+                    raise
+                if not await self._evict_round(j, meta.size):
+                    raise
 
     def describe_full(self, nbytes: int) -> str:
         """Why a chunk of ``nbytes`` fits nowhere (for the OOM reply)."""
