@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,14 @@ import pytest
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_format as fmt
-from kvstrata.tiers._nvme_sync import POLICIES
-from kvstrata.tiers.base import IntegrityError, TierIOError, TierUnavailable, build_tier
+from kvstrata.tiers._nvme_sync import POLICIES, SYNC_MARKER, GroupSync
+from kvstrata.tiers.base import (
+    ChunkMissing,
+    IntegrityError,
+    TierIOError,
+    TierUnavailable,
+    build_tier,
+)
 from kvstrata.tiers.checksum import checksum
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
 
@@ -429,3 +436,159 @@ def test_batch_sync_failure_is_an_error_and_leaves_no_chunk(
 def test_unknown_fsync_policy_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="nvme-fsync"):
         NvmeConfig(str(tmp_path), fsync="sometimes")
+
+
+async def _until(event: threading.Event) -> None:
+    while not event.is_set():
+        await asyncio.sleep(0.001)
+
+
+def test_read_miss_racing_delete_and_put_keeps_the_new_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read finds no file (a delete ran), then a put of the same key finishes before the
+    read's miss is handled: the miss does not forget the new chunk, whose file is on disk."""
+    meta, data = chunk(1, 20_000)
+    new, new_data = chunk(2, 30_000)
+    new = ChunkMeta(meta.key, b"", 2, new.size, new.checksum)
+    deleted, missed, stored = threading.Event(), threading.Event(), threading.Event()
+
+    async def body(tier: NvmeTier) -> None:
+        await tier.put(meta, data)
+        real = tier._files.read
+
+        def read(key: ChunkKey, out: memoryview) -> ChunkMeta:
+            assert deleted.wait(10)
+            try:
+                return real(key, out)
+            except FileNotFoundError:
+                missed.set()
+                assert stored.wait(10)
+                raise
+
+        monkeypatch.setattr(tier._files, "read", read)
+        reading = asyncio.create_task(tier.get(meta.key, memoryview(bytearray(meta.size))))
+        await asyncio.sleep(0)
+        assert await tier.delete(meta.key)
+        deleted.set()
+        await _until(missed)
+        await tier.put(new, new_data)
+        stored.set()
+        with pytest.raises(ChunkMissing):
+            await reading
+        monkeypatch.undo()
+        assert await tier.meta(new.key) is not None and tier.used == fmt.file_bytes(new.size)
+        out = bytearray(new.size)
+        await tier.get(new.key, memoryview(out))
+        assert out == new_data
+
+    run(tmp_path, body)
+
+
+def test_corrupt_read_racing_a_replace_quarantines_only_the_old_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read opens a corrupt file; before it verifies, a put replaces the file with a good
+    one. The read fails (IntegrityError), but the good file that now has the name is neither
+    quarantined nor forgotten."""
+    meta, data = chunk(1, 20_000)
+    read_done, stored = threading.Event(), threading.Event()
+
+    async def body(tier: NvmeTier) -> None:
+        await tier.put(meta, data)
+        (path,) = chunk_files(tmp_path)
+        with open(path, "r+b") as f:
+            f.seek(fmt.HEADER_SIZE + 123)
+            f.write(bytes([data[123] ^ 0xFF]))
+        backend = tier._files.backend
+        real = backend.read_file
+
+        def read_file(*args: Any) -> Any:
+            try:
+                return real(*args)
+            finally:
+                read_done.set()
+                assert stored.wait(10)
+
+        monkeypatch.setattr(backend, "read_file", read_file)
+        reading = asyncio.create_task(tier.get(meta.key, memoryview(bytearray(meta.size))))
+        await _until(read_done)
+        await tier.put(meta, data)
+        stored.set()
+        with pytest.raises(IntegrityError):
+            await reading
+        monkeypatch.undo()
+        assert chunk_files(tmp_path) == [path]
+        assert list((tmp_path / "quarantine").iterdir()) == []
+        assert await tier.contains(meta.key) and tier.used == fmt.file_bytes(meta.size)
+        out = bytearray(meta.size)
+        await tier.get(meta.key, memoryview(out))
+        assert out == data
+        assert tier.stats.integrity_errors == 1 and tier.stats.extra["quarantined"] == 0
+
+    run(tmp_path, body)
+
+
+def test_put_racing_close_is_a_tier_error_and_leaves_no_file(tmp_path: Path) -> None:
+    """Under ``batch`` a put whose write finishes while the tier closes finds the group sync
+    closed: it fails like any tier I/O failure (TierIOError) and its unsynced file is removed."""
+
+    async def body(tier: NvmeTier) -> None:
+        meta, data = chunk(1, 20_000)
+        putting = asyncio.create_task(tier.put(meta, data))
+        await asyncio.sleep(0)  # the write is on the pool; close() waits for it
+        await tier.close()
+        with pytest.raises(TierIOError):
+            await putting
+        assert chunk_files(tmp_path) == [] and not await tier.contains(meta.key)
+
+    run(tmp_path, body, fsync="batch")
+
+
+def test_group_sync_submit_after_close_is_a_tier_io_error(tmp_path: Path) -> None:
+    group = GroupSync(str(tmp_path / SYNC_MARKER), per_file=True)
+    group.close()
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    with pytest.raises(TierIOError, match="closed"):
+        group.submit(fd)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by submit, as promised
+
+
+class _FakeCuFile:
+    """Just enough of ``kvikio.CuFile`` (plain file I/O) to run KvikioBackend without CUDA."""
+
+    def __init__(self, path: str, mode: str) -> None:
+        self._f = open(path, "r+b" if mode == "r" else "w+b")  # noqa: SIM115
+
+    def __enter__(self) -> _FakeCuFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+    def pwrite(self, buf: Any, size: int, offset: int) -> Any:
+        n = os.pwrite(self._f.fileno(), memoryview(buf)[:size], offset)
+        return type("Done", (), {"get": lambda _: n})()
+
+    def pread(self, buf: Any, size: int, offset: int) -> Any:
+        n = os.preadv(self._f.fileno(), [memoryview(buf)[:size]], offset)
+        return type("Done", (), {"get": lambda _: n})()
+
+
+def test_kvikio_backend_read_names_the_file_it_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kvikio backend reports the identity of the file it read (what quarantine checks)."""
+    from kvstrata.tiers._nvme_io import KvikioBackend
+
+    monkeypatch.setitem(sys.modules, "kvikio", type(sys)("kvikio"))
+    monkeypatch.setattr(sys.modules["kvikio"], "CuFile", _FakeCuFile, raising=False)
+    meta, data = chunk(1, 10_000)
+    header = fmt.encode_header(meta, meta.checksum, 0)
+    path = str(tmp_path / "c.kvc")
+    os.close(KvikioBackend().write_file(path, header, memoryview(data)))
+    out = bytearray(meta.size)
+    head, got, ident = KvikioBackend().read_file(path, memoryview(out))
+    st = os.stat(path)
+    assert (head, got, bytes(out), ident) == (header, meta.size, data, (st.st_dev, st.st_ino))

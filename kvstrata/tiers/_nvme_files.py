@@ -3,7 +3,8 @@
 A write creates a temporary file in the chunk's shard folder, writes header and payload
 through the backend and renames it over the final name; the ``nvme-fsync`` policy
 (``_nvme_sync``) decides what is synced before the chunk is acknowledged. A read checks the
-header and the payload checksum and quarantines a file that fails (:class:`Corrupt`).
+header and the payload checksum and quarantines a file that fails (:class:`Corrupt`) — only
+if that file still has the chunk's name: a put may have renamed a good one over it meanwhile.
 ``OSError`` goes up to the tier, which counts it and raises ``TierIOError``.
 """
 
@@ -24,7 +25,7 @@ from kvstrata.tiers._nvme_format import (
     decode_header,
     encode_header,
 )
-from kvstrata.tiers._nvme_io import Backend
+from kvstrata.tiers._nvme_io import Backend, FileId
 from kvstrata.tiers.base import ChunkMissing, IntegrityError
 from kvstrata.tiers.checksum import checksum
 
@@ -32,7 +33,12 @@ _tmp_numbers = itertools.count()
 
 
 class Corrupt(Exception):
-    """A file failed verification on read (and was quarantined); the message says why."""
+    """A file failed verification on read; the message says why. ``quarantined``: whether
+    it was moved to quarantine (False when another file had taken its name, or it was gone)."""
+
+    def __init__(self, reason: str, quarantined: bool) -> None:
+        super().__init__(reason)
+        self.quarantined = quarantined
 
 
 class ChunkFiles:
@@ -45,6 +51,9 @@ class ChunkFiles:
         self.in_flight: set[str] = set()
         self._dir_fds: dict[str, int] = {}
         self._dir_lock = threading.Lock()  # guards _dir_fds only, never held during I/O
+        # Held around a rename onto a chunk name and around quarantine's check-then-move, so
+        # that quarantine moves the file it checked and never a file renamed in between.
+        self._name_lock = threading.Lock()
 
     def path(self, key: ChunkKey) -> tuple[str, str]:
         digest = chunk_digest(key)
@@ -65,7 +74,8 @@ class ChunkFiles:
         try:
             fd = self.backend.write_file(tmp, header, payload)
             try:
-                os.replace(tmp, final)
+                with self._name_lock:
+                    os.replace(tmp, final)
             except BaseException:
                 os.close(fd)
                 raise
@@ -93,25 +103,33 @@ class ChunkFiles:
     def read(self, key: ChunkKey, out: memoryview) -> ChunkMeta:
         folder, name = self.path(key)
         path = os.path.join(folder, name)
-        block, got = self.backend.read_file(path, out)
+        block, got, ident = self.backend.read_file(path, out)
         try:
             meta = decode_header(block).meta
         except BadHeader as exc:
-            self._quarantine(path, str(exc))
+            self._quarantine(path, ident, str(exc))
         if meta.key != key:
-            self._quarantine(path, "header names another chunk")
+            self._quarantine(path, ident, "header names another chunk")
         if meta.size > len(out):
             # A concurrent replacement wrote a larger chunk after our index lookup.
             raise ChunkMissing(key)
         if got < meta.size:
-            self._quarantine(path, f"truncated payload ({got} of {meta.size} bytes)")
+            self._quarantine(path, ident, f"truncated payload ({got} of {meta.size} bytes)")
         if checksum(out[: meta.size]) != meta.checksum:
-            self._quarantine(path, "payload checksum mismatch")
+            self._quarantine(path, ident, "payload checksum mismatch")
         return meta
 
-    def _quarantine(self, path: str, reason: str) -> NoReturn:
-        _nvme_scan.quarantine(self.root, path, reason)
-        raise Corrupt(reason)
+    def _quarantine(self, path: str, ident: FileId, reason: str) -> NoReturn:
+        """Quarantine ``path`` if it still names the file read (``ident``); raise Corrupt."""
+        with self._name_lock:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                moved = False
+            else:
+                same = (st.st_dev, st.st_ino) == ident
+                moved = same and _nvme_scan.quarantine(self.root, path, reason)
+        raise Corrupt(reason, moved)
 
     def delete(self, key: ChunkKey) -> None:
         folder, name = self.path(key)

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 BLOCK = 4096
 STAGING = 8 * 1024 * 1024
+FileId = tuple[int, int]  # (st_dev, st_ino): which file a path named when it was opened
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _local = threading.local()
 
@@ -43,8 +44,14 @@ class Backend(Protocol):
         """Create ``path`` (must not exist) with header and payload, not synced; returns a
         descriptor open on it (the caller fsyncs it as its policy says, and closes it)."""
 
-    def read_file(self, path: str, out: memoryview) -> tuple[bytes, int]:
-        """Header block and the payload bytes read into ``out`` (up to ``len(out)``)."""
+    def read_file(self, path: str, out: memoryview) -> tuple[bytes, int, FileId]:
+        """Header block, the payload bytes read into ``out`` (up to ``len(out)``), and the
+        identity of the file read (a rename may put another file under ``path`` meanwhile)."""
+
+
+def file_id(fd: int) -> FileId:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _staging() -> memoryview:
@@ -152,16 +159,18 @@ class PosixBackend:
             _pwrite_all(fd, [stage[:fill]], pos)
             pos, fill = pos + fill, 0
 
-    def read_file(self, path: str, out: memoryview) -> tuple[bytes, int]:
+    def read_file(self, path: str, out: memoryview) -> tuple[bytes, int, FileId]:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if self.direct else 0))
         try:
             if not self.direct:
                 head = bytearray(HEADER_SIZE)
                 got = _pread_all(fd, [memoryview(head), out], 0)
-                return bytes(head[: min(got, HEADER_SIZE)]), max(0, got - HEADER_SIZE)
-            if _aligned(out):
-                return self._read_direct(fd, out)
-            return self._read_staged(fd, out)
+                header, payload = bytes(head[: min(got, HEADER_SIZE)]), max(0, got - HEADER_SIZE)
+            elif _aligned(out):
+                header, payload = self._read_direct(fd, out)
+            else:
+                header, payload = self._read_staged(fd, out)
+            return header, payload, file_id(fd)
         finally:
             os.close(fd)
 
@@ -216,16 +225,25 @@ class KvikioBackend:
                 fut.get()
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
-    def read_file(self, path: str, out: memoryview) -> tuple[bytes, int]:
+    def read_file(self, path: str, out: memoryview) -> tuple[bytes, int, FileId]:
         import kvikio
 
         head = np.empty(HEADER_SIZE, dtype=np.uint8)
         body = np.frombuffer(out, dtype=np.uint8)
-        with kvikio.CuFile(path, "r") as f:
-            if int(f.pread(head, HEADER_SIZE, 0).get()) < HEADER_SIZE:
-                return b"", 0
-            got = int(f.pread(body, len(body), HEADER_SIZE).get()) if len(body) else 0
-        return head.tobytes(), got
+        # CuFile opens by path: the identity comes from a descriptor opened first and held
+        # throughout. If a rename lands between the two opens, CuFile reads the newer file and
+        # the identity names the older one, which no longer has the name: a corrupt read then
+        # quarantines nothing (a later read will), never the wrong file.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            ident = file_id(fd)
+            with kvikio.CuFile(path, "r") as f:
+                if int(f.pread(head, HEADER_SIZE, 0).get()) < HEADER_SIZE:
+                    return b"", 0, ident
+                got = int(f.pread(body, len(body), HEADER_SIZE).get()) if len(body) else 0
+        finally:
+            os.close(fd)
+        return head.tobytes(), got, ident
 
 
 def choose_backend(root: str, wanted: str, direct: str) -> tuple[Backend, str]:

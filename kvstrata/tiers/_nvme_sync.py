@@ -27,6 +27,8 @@ import threading
 import time
 from concurrent.futures import Future
 
+from kvstrata.tiers.base import TierIOError
+
 POLICIES = ("always", "batch", "never")
 SYNC_MARKER = ".kvstrata-sync"  # in the tier folder; its timestamp changes at every group sync
 
@@ -60,13 +62,15 @@ class GroupSync:
 
     def submit(self, file_fd: int) -> Future[None]:
         """A future resolved once every change made before this call is durable; ``file_fd``
-        (-1: none) is the new file's descriptor, closed by this object in any case."""
+        (-1: none) is the new file's descriptor, closed by this object in any case. Raises
+        :class:`TierIOError` once closing (a write finishing during shutdown fails like any
+        other tier I/O failure)."""
         done: Future[None] = Future()
         with self._cond:
             if self._closing:
                 if file_fd >= 0:
                     os.close(file_fd)
-                raise RuntimeError("group sync is closed")
+                raise TierIOError("nvme: group sync is closed")
             self._waiting.append((file_fd, done))
             self._cond.notify()
         return done

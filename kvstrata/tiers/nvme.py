@@ -15,7 +15,10 @@ filesystem allows it, buffered otherwise). ``scan()`` rebuilds the index from he
 ``used`` counts the disk space of the committed chunk files with 4 KiB blocks (4096-byte header
 plus the payload rounded up to 4096); writes in flight count against ``capacity`` too.
 Writes and deletes of one key are serialized (the second waits for the first) so that the
-index always agrees with the file on disk; reads are not, and see the old or the new file.
+index always agrees with the file on disk; reads are not, and see the old or the new file. A
+read that finds its file missing or corrupt drops the index entry only if it is still the one
+the read started from (a delete and a new put may have finished meanwhile), and quarantines
+only the file it read, never one renamed over it since.
 """
 
 from __future__ import annotations
@@ -150,6 +153,11 @@ class NvmeTier(Tier):
         """Disk space of committed chunk files (header + payload in 4 KiB blocks)."""
         return self._used
 
+    @property
+    def pending(self) -> int:
+        """Disk space of the writes in flight; ``put`` counts it against ``capacity`` too."""
+        return self._pending
+
     # -- async contract -----------------------------------------------------------------
 
     async def put(self, meta: ChunkMeta, data: Buffer) -> None:
@@ -161,7 +169,10 @@ class NvmeTier(Tier):
         await self._acquire(meta.key)
         try:
             if self._used + self._pending + need > self.capacity:
-                raise TierFull(f"nvme: {need} bytes do not fit ({self._used} of {self.capacity})")
+                raise TierFull(
+                    f"nvme: {need} bytes do not fit ({self._used} used and {self._pending} "
+                    f"being written of {self.capacity})"
+                )
             self._pending += need
             started = time.perf_counter()
             try:
@@ -195,15 +206,16 @@ class NvmeTier(Tier):
         try:
             got = await self._run(self._files.read, key, dst)
         except FileNotFoundError:
-            self._forget(key)
+            self._forget(key, meta)
             self.stats.misses += 1
             raise ChunkMissing(key) from None
         except Corrupt as exc:
-            self._forget(key)
+            self._forget(key, meta)
             self.stats.integrity_errors += 1
-            self.stats.extra["quarantined"] += 1
+            self.stats.extra["quarantined"] += exc.quarantined
             self.stats.misses += 1
-            raise IntegrityError(f"nvme chunk {key.hex}: {exc}; file quarantined") from None
+            what = "file quarantined" if exc.quarantined else "file replaced meanwhile"
+            raise IntegrityError(f"nvme chunk {key.hex}: {exc}; {what}") from None
         self.stats.seconds_out += time.perf_counter() - started
         self.stats.hits += 1
         self.stats.bytes_out += got.size
@@ -308,16 +320,19 @@ class NvmeTier(Tier):
     def _release(self, key: ChunkKey) -> None:
         self._busy.pop(key).set()
 
-    def _forget(self, key: ChunkKey) -> bool:
-        meta = self._index.pop(key, None)
-        if meta is None:
+    def _forget(self, key: ChunkKey, only: ChunkMeta | None = None) -> bool:
+        """Drop ``key`` from the index (when ``only`` is given: if its entry is that one)."""
+        meta = self._index.get(key)
+        if meta is None or (only is not None and meta is not only):
             return False
+        del self._index[key]
         self._used -= file_bytes(meta.size)
         self.stats.chunks = len(self._index)
         return True
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         """Run ``fn`` on the pool; OSError becomes a counted, logged TierIOError."""
+        self._check_open()  # close() shuts the pool down: a closed tier raises TierUnavailable
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         except (FileNotFoundError, Corrupt, IntegrityError):
@@ -329,13 +344,27 @@ class NvmeTier(Tier):
         """Wait until the group sync (``batch``) has made the write (``fd``: the new file) or
         delete (``fd`` -1) of ``key`` durable; a file it failed on is removed, never served."""
         assert self._group is not None
+        path = os.path.join(*self._files.path(key))
         try:
-            await asyncio.wrap_future(self._group.submit(fd))
+            synced = self._group.submit(fd)
+        except TierIOError:  # the tier closed while the write ran
+            if fd >= 0:
+                await self._unlink(path)
+            self.stats.errors += 1
+            raise
+        try:
+            await asyncio.wrap_future(synced)
         except OSError as exc:
             if fd >= 0:
-                path = os.path.join(*self._files.path(key))
-                await asyncio.get_running_loop().run_in_executor(self._pool, unlink_quietly, path)
+                await self._unlink(path)
             raise self._io_error("group sync", exc) from exc
+
+    async def _unlink(self, path: str) -> None:
+        """Remove ``path`` on the pool, or right here once the tier is closed (no pool)."""
+        if self._closed:
+            unlink_quietly(path)
+        else:
+            await asyncio.get_running_loop().run_in_executor(self._pool, unlink_quietly, path)
 
     def _io_error(self, what: str, exc: OSError) -> TierIOError:
         self.stats.errors += 1
