@@ -86,7 +86,8 @@ class Placement:
             return 1 << 62
         if isinstance(tier, MemoryTier):
             return tier.largest_free()
-        return max(0, tier.capacity - tier.used)
+        in_flight = int(getattr(tier, "pending", 0))  # writes the tier already counts (nvme)
+        return max(0, tier.capacity - tier.used - in_flight)
 
     def above_high(self, tier: Tier) -> bool:
         pol = self.policy(tier.name)
