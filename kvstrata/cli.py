@@ -9,14 +9,7 @@ import sys
 from pathlib import Path
 
 from kvstrata import __version__
-from kvstrata.config import OPTIONS, Config, ConfigError, format_size, load_config
-
-_LEVELS = {
-    "debug": logging.DEBUG,
-    "verbose": logging.INFO,
-    "notice": logging.INFO,
-    "warning": logging.WARNING,
-}
+from kvstrata.config import LOG_LEVELS, OPTIONS, Config, ConfigError, format_size, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,7 +62,7 @@ def _demo(argv: list[str]) -> int:
 
 def serve(config: Config, config_file: str = "") -> int:
     logging.basicConfig(
-        level=_LEVELS[config.loglevel],
+        level=LOG_LEVELS[config.loglevel],
         format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
     )
     log = logging.getLogger("kvstrata")

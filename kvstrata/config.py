@@ -54,6 +54,33 @@ def format_size(n: int) -> str:
     return str(n)
 
 
+def _yes_no(value: Any) -> str:
+    return "yes" if value else "no"
+
+
+def _float(lo: float, hi: float) -> Callable[[Any], float]:
+    def parse(text: Any) -> float:
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            raise ValueError(f"{text!r} is not a number") from None
+        if not lo <= value <= hi:  # also refuses nan
+            raise ValueError(f"{value} is out of range [{lo}, {hi}]")
+        return value
+
+    return parse
+
+
+LOG_LEVELS = {"debug": 10, "verbose": 20, "notice": 20, "warning": 30}
+
+
+def apply_loglevel(level: str) -> None:
+    """Make a (new) loglevel take effect on kvstrata's loggers."""
+    import logging
+
+    logging.getLogger("kvstrata").setLevel(LOG_LEVELS[level])
+
+
 def _bool(text: str | bool) -> bool:
     if isinstance(text, bool):
         return text
@@ -140,7 +167,8 @@ OPTIONS: tuple[Option, ...] = (
     _opt("requirepass", "", _str, "Password for AUTH; empty disables it.", mutable=True,
          secret=True),
     _opt("protected-mode", True, _bool,
-         "Without a password, refuse clients that are not on loopback.", mutable=True),
+         "Without a password, refuse clients that are not on loopback.", mutable=True,
+         fmt=_yes_no),
     _opt("maxclients", 10000, _int(1, 1_000_000), "Most clients connected at once.",
          mutable=True),
     _opt("timeout", 0, _int(0, 10**9), "Close clients idle this many seconds (0 = never).",
@@ -152,12 +180,12 @@ OPTIONS: tuple[Option, ...] = (
     _opt("tls-auth-clients", "no", _choice("yes", "no", "optional"),
          "Require client certificates."),
     # limits
-    _opt("proto-max-bulk-len", 1024**3, parse_size, "Largest bulk argument.", mutable=True,
-         **_SIZE),
+    _opt("proto-max-bulk-len", 1024**3, parse_size, "Largest bulk argument (bytes).",
+         mutable=True),
     _opt("max-multibulk-len", 1024 * 1024, _int(1, 2**31 - 1), "Most arguments in a command.",
          mutable=True),
     _opt("client-query-buffer-limit", 1024**3, parse_size,
-         "Most bytes of unexecuted commands buffered per client.", mutable=True, **_SIZE),
+         "Most bytes of unexecuted commands buffered per client.", mutable=True),
     _opt("shutdown-timeout", 10, _int(0, 3600),
          "Seconds in-flight commands get to finish on shutdown.", mutable=True),
     _opt("slowlog-log-slower-than", 10000, _int(-1, 10**12),
@@ -199,7 +227,8 @@ OPTIONS: tuple[Option, ...] = (
     _opt("s3-write-policy", "write-back", _choice("write-back", "write-through"),
          "write-through: PUTs are uploaded at once so other nodes see them.", mutable=True),
     _opt("s3-max-connections", 16, _int(1, 1024), "Parallel S3 requests."),
-    _opt("s3-timeout", 10.0, float, "Seconds per S3 request before it counts as failed."),
+    _opt("s3-timeout", 10.0, _float(0.1, 3600.0),
+         "Seconds per S3 request before it counts as failed."),
     _opt("gpu-device", 0, _int(0, 64), "CUDA device of the GPU tier."),
     _opt("gpu-capacity", 0, parse_size, "GPU pool size (0 disables the GPU tier).", **_SIZE),
     _opt("gpu-high-watermark", 0.95, _ratio, "Demote from the GPU pool to DRAM above this fill "
@@ -234,8 +263,9 @@ class Config:
     def get(self, name: str) -> Any:
         return self.values[name]
 
-    def set(self, name: str, raw: Any) -> None:
-        """Validate and set (CONFIG SET); raises ConfigError."""
+    def set(self, name: str, raw: Any, check: bool = True) -> None:
+        """Validate and set (CONFIG SET); raises ConfigError. With ``check=False`` the rules
+        across keys are left to a later :meth:`check` (a CONFIG SET of several keys)."""
         opt = _BY_NAME.get(name)
         if opt is None:
             raise ConfigError(f"Unknown option or number of arguments for CONFIG SET - '{name}'")
@@ -245,6 +275,11 @@ class Config:
                 "can't set immutable config"
             )
         self.values[name] = _parse(opt, raw)
+        if check:
+            _check(self.values)
+
+    def check(self) -> None:
+        """Rules across keys (low watermarks below high ones, TLS files with a TLS port)."""
         _check(self.values)
 
     def render(self, name: str) -> str:

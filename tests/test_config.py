@@ -74,7 +74,10 @@ def test_config_get_all_and_set(server: RunningServer) -> None:
     r = redis.Redis(port=server.port, protocol=3, decode_responses=True)
     every = r.config_get("*")
     assert set(option_names()) - {"requirepass"} <= set(every)
-    assert every["dram-capacity"] == "64MiB" and every["port"] == "0"
+    assert every["dram-capacity"] == "64MiB" and every["port"] == str(server.port)
+    assert every["protected-mode"] == "yes"  # Redis's yes/no, not Python's True/False
+    assert every["proto-max-bulk-len"] == str(1024**3)  # Redis prints these in bytes
+    assert every["save"] == "" and every["appendonly"] == "no"  # read by redis-benchmark
     assert r.config_set("timeout", 5) and r.config_get("timeout") == {"timeout": "5"}
     with pytest.raises(redis.ResponseError, match="immutable"):
         r.config_set("port", 1234)
@@ -113,3 +116,44 @@ def test_unwritable_data_dir_stops_startup(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "cannot start" in proc.stderr and "data-dir" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_config_set_of_several_keys_is_order_free_and_all_or_nothing(server) -> None:
+    """Rules across keys hold for the whole CONFIG SET, in any order; a failing pair leaves
+    every value as it was and its secrets never reach the slow log."""
+    r = redis.Redis(port=server.port, decode_responses=True)
+    assert (
+        r.execute_command(
+            "CONFIG", "SET", "dram-high-watermark", "0.5", "dram-low-watermark", "0.4"
+        )
+        == "OK"
+    )
+    assert r.config_get("dram-*watermark") == {
+        "dram-high-watermark": "0.5", "dram-low-watermark": "0.4"}  # fmt: skip
+    r.config_set("slowlog-log-slower-than", 0)
+    with pytest.raises(redis.ResponseError):
+        r.execute_command("CONFIG", "SET", "maxclients", "x", "requirepass", "s3cret")
+    assert r.config_get("maxclients") == {"maxclients": "10000"}
+    assert r.config_get("requirepass") == {"requirepass": ""}
+    logged = str(r.slowlog_get(128))
+    assert "s3cret" not in logged and "redacted" in logged
+
+
+def test_clearing_requirepass_frees_waiting_clients(make_server) -> None:
+    srv = make_server(requirepass="pw")
+    admin = redis.Redis(port=srv.port, password="pw")
+    waiting = redis.Redis(port=srv.port)
+    with pytest.raises(redis.AuthenticationError):
+        waiting.ping()
+    admin.config_set("requirepass", "")
+    assert waiting.ping() and waiting.set("k", "v" * 100_000)
+
+
+def test_config_set_loglevel_takes_effect(server) -> None:
+    import logging
+
+    r = redis.Redis(port=server.port)
+    r.config_set("loglevel", "debug")
+    assert logging.getLogger("kvstrata").getEffectiveLevel() == logging.DEBUG
+    r.config_set("loglevel", "warning")
+    assert logging.getLogger("kvstrata").getEffectiveLevel() == logging.WARNING

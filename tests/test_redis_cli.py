@@ -127,3 +127,13 @@ def test_shutdown_through_cli(make_server: Callable[..., RunningServer]) -> None
     assert srv.thread is not None
     srv.thread.join(15)
     assert not srv.thread.is_alive()
+
+
+def test_strlen_and_subcommand_arity_wording(server) -> None:
+    import redis as redis_py
+
+    r = redis_py.Redis(port=server.port)
+    r.set("s", "hello")
+    assert r.strlen("s") == 5 and r.strlen("missing") == 0
+    with pytest.raises(redis_py.ResponseError, match=r"'client\|setname'"):
+        r.execute_command("CLIENT", "SETNAME")

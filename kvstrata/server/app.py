@@ -66,6 +66,7 @@ class Server:
         )  # fmt: skip
         self._servers.append(srv)
         self.port = srv.sockets[0].getsockname()[1]
+        self.config.values["port"] = self.port  # CONFIG GET port: the port actually bound
         if self.config.tls_port:
             tls = await loop.create_server(
                 lambda: Connection(self), host=hosts, port=self.config.tls_port,
@@ -73,6 +74,7 @@ class Server:
             )  # fmt: skip
             self._servers.append(tls)
             self.tls_port = tls.sockets[0].getsockname()[1]
+            self.config.values["tls-port"] = self.tls_port
         self._cron = asyncio.ensure_future(self._cron_loop())
         self._ready.set()
 

@@ -159,7 +159,7 @@ class Connection(asyncio.BufferedProtocol):
                 # large payload while we wait for it to read its replies is not deadlocked.
                 if queue and self._ahead_full():
                     break
-                if self.client.authenticated:
+                if self._authenticated():
                     limits = values["proto-max-bulk-len"], values["max-multibulk-len"]
                 else:  # as Redis: tiny frames until AUTH, so no one can make us allocate
                     limits = UNAUTH_MAX_BULK, UNAUTH_MAX_ARGS
@@ -173,10 +173,14 @@ class Connection(asyncio.BufferedProtocol):
         self._flush()
         self._update_reading()
 
+    def _authenticated(self) -> bool:
+        """Authenticated, or no password is required any more (CONFIG SET requirepass "")."""
+        return self.client.authenticated or not self.server.config.values["requirepass"]
+
     def _sink_for(self, args: list[Any], nbytes: int) -> Any:
         """The command's payload sink for a large bulk argument (None: a plain bytearray)."""
         spec = self.server.registry.lookup(args[0]) if args else None
-        if spec is None or spec.sink is None or not self.client.authenticated:
+        if spec is None or spec.sink is None or not self._authenticated():
             return None
         try:
             return spec.sink(self, args, nbytes)
@@ -251,10 +255,8 @@ class Connection(asyncio.BufferedProtocol):
             spec = sub
         arity = spec.arity
         if (arity > 0 and len(args) != arity) or len(args) < -arity:
-            raise CommandError(
-                f"wrong number of arguments for '{spec.name.lower().replace('|', ' ')}' command"
-            )
-        if not self.client.authenticated and "no_auth" not in spec.flags:
+            raise CommandError(f"wrong number of arguments for '{spec.name.lower()}' command")
+        if not self._authenticated() and "no_auth" not in spec.flags:
             raise NoAuthError("Authentication required.")
         return spec
 

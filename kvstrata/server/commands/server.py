@@ -15,7 +15,7 @@ import sys
 import time
 
 import kvstrata
-from kvstrata.config import ConfigError, option
+from kvstrata.config import ConfigError, apply_loglevel, option
 from kvstrata.protocol.errors import CommandError, syntax_error
 from kvstrata.protocol.frames import NO_REPLY, OK
 from kvstrata.server.commands._args import REDACTED, arg_bytes, arg_text, arg_upper, help_command
@@ -191,7 +191,7 @@ def config_get(ctx: Ctx, args: Args) -> Reply:
     out: dict[str, str] = {}
     for raw in args[2:]:
         pattern = arg_bytes(raw).lower()
-        for name, value in config.items():
+        for name, value in [*config.items(), *_COMPAT.items()]:
             if name in out or not glob_match(pattern, name.encode()):
                 continue
             opt = option(name)
@@ -199,6 +199,10 @@ def config_get(ctx: Ctx, args: Args) -> Reply:
                 continue
             out[name] = value
     return out
+
+
+#: read-only Redis keys that tools read (redis-benchmark asks for save and appendonly)
+_COMPAT = {"save": "", "appendonly": "no"}
 
 
 def _set_failed(name: str, why: str) -> CommandError:
@@ -232,27 +236,28 @@ def _set_error(name: str, exc: ConfigError) -> CommandError:
 def config_set(ctx: Ctx, args: Args) -> Reply:
     if len(args) % 2:
         raise CommandError("wrong number of arguments for 'config|set' command")
-    pairs = [(arg_text(args[i]).lower(), i + 1) for i in range(2, len(args), 2)]
+    pairs = [(arg_text(args[i]).lower(), arg_text(args[i + 1])) for i in range(2, len(args), 2)]
+    for i, (name, _) in enumerate(pairs):  # first, before anything can fail (as Redis)
+        opt = option(name)
+        if opt is not None and opt.secret:
+            args[3 + 2 * i] = REDACTED  # keeps secrets out of the slow log and MONITOR
     names = [n for n, _ in pairs]
     for name in names:
         if names.count(name) > 1:
             raise _set_failed(name, "duplicate parameter")
     config = ctx.server.config
     saved = dict(config.values)
+    name = ""
     try:
-        for name, index in pairs:
-            value = arg_text(args[index])
-            opt = option(name)
-            if opt is not None and opt.secret:
-                args[index] = REDACTED  # keeps secrets out of the slow log
-            try:
-                config.set(name, value)
-            except ConfigError as exc:
-                raise _set_error(name, exc) from None
-    except CommandError:
+        for name, value in pairs:
+            config.set(name, value, check=False)
+        config.check()  # rules across keys (watermarks) hold for the whole set, in any order
+    except ConfigError as exc:
         config.values.clear()
         config.values.update(saved)
-        raise
+        raise _set_error(name, exc) from None
+    if "loglevel" in names:
+        apply_loglevel(config.loglevel)
     return OK
 
 

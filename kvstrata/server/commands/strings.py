@@ -46,6 +46,21 @@ def get(ctx: Ctx, args: Args) -> Reply:
     return _string_value(ctx.server.keyspace.get_string(arg_bytes(args[1])))
 
 
+@command(
+    "STRLEN",
+    2,
+    "readonly fast",
+    group="string",
+    summary="Returns the length of a string value (KV chunk keys answer WRONGTYPE).",
+    keys=(1, 1, 1),
+    arguments=(Arg("key", "key"),),
+    reply="Integer: the length, 0 when the key does not exist.",
+)
+def strlen(ctx: Ctx, args: Args) -> Reply:
+    value = _string_value(ctx.server.keyspace.lookup(arg_bytes(args[1])))
+    return 0 if value is None else len(value)
+
+
 @dataclass(slots=True)
 class SetOptions:
     nx: bool = False
