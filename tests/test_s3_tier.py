@@ -37,7 +37,7 @@ from kvstrata.tiers.s3 import (
 )
 
 if TYPE_CHECKING:
-    from tests.s3fixture import MotoServer
+    from tests.s3fixture import MotoServer, free_port
 
 pytest_plugins = ["tests.s3fixture"]
 
@@ -107,10 +107,11 @@ def test_metadata_round_trip_and_versions() -> None:
 
 
 def test_config_from_kvstrata_config(moto_server: MotoServer) -> None:
-    flags = {"s3-bucket": "b1", "s3-endpoint": moto_server.endpoint, "s3-max-connections": "8"}
+    bucket = moto_server.make_bucket()
+    flags = {"s3-bucket": bucket, "s3-endpoint": moto_server.endpoint, "s3-max-connections": "8"}
     cfg = S3Config.from_config(load_config(flags=flags, env={}), retries=0)
     assert (cfg.bucket, cfg.endpoint, cfg.max_connections, cfg.retries) == (
-        "b1", moto_server.endpoint, 8, 0)  # fmt: skip
+        bucket, moto_server.endpoint, 8, 0)  # fmt: skip
     assert (cfg.prefix, cfg.write_policy, cfg.timeout) == ("kvstrata", "write-back", 10.0)
     tier = build_tier("s3", cfg)
     assert isinstance(tier, S3Tier) and tier.capacity == 0
@@ -337,3 +338,16 @@ def test_endpoint_hangs(private_moto_server: MotoServer) -> None:
         assert await _until_ok(lambda: t.contains(meta.key))
 
     run(make_tier(server, bucket, timeout=0.5, retries=0, retry_after=0.2, negative_ttl=0), body)
+
+
+def test_missing_bucket_stops_startup_but_an_absent_endpoint_does_not(
+    moto_server: MotoServer,
+) -> None:
+    """A bucket that does not exist is a configuration error (clear message at start); an S3
+    endpoint that does not answer is an outage (the tier starts and degrades to misses)."""
+    cfg = S3Config(bucket="no-such-bucket", endpoint=moto_server.endpoint, retries=0)
+    with pytest.raises(TierUnavailable, match="no-such-bucket.*not usable"):
+        S3Tier(cfg)
+    down = S3Config(bucket="b", endpoint=f"http://127.0.0.1:{free_port()}", retries=0)
+    tier = S3Tier(down)
+    asyncio.run(tier.close())

@@ -56,6 +56,7 @@ else:
     HAVE_BOTO3 = True
 
 log = logging.getLogger(__name__)
+_UNUSABLE_BUCKET = frozenset({"404", "NoSuchBucket", "403", "AccessDenied", "Forbidden"})
 T = TypeVar("T")
 
 MiB = 1024 * 1024
@@ -146,6 +147,29 @@ class S3Tier(Tier):
         self._used = 0
         self._closed = False
         self.stats.extra.update(negative_hits=0, multipart_puts=0)
+        self._check_bucket()
+
+    def _check_bucket(self) -> None:
+        """A bucket that does not exist (or may not be used) stops start-up with a message; an
+        endpoint that does not answer does not (an S3 outage degrades to misses)."""
+        where = self.config.endpoint or f"AWS {self.config.region}"
+        try:
+            self._client.head_bucket(Bucket=self.config.bucket)
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in _UNUSABLE_BUCKET:
+                self._pool.shutdown(wait=False)
+                raise TierUnavailable(
+                    f"s3-bucket {self.config.bucket!r} is not usable at {where} ({code}): "
+                    "create it, or fix s3-bucket / s3-endpoint / the credentials"
+                ) from None
+            log.warning("s3: checking bucket %r at %s failed: %s", self.config.bucket, where, code)
+        except (BotoCoreError, OSError) as exc:
+            log.warning(
+                "s3: %s did not answer at start (%s); serving from the local tiers until it does",
+                where,
+                type(exc).__name__,
+            )
 
     @property
     def capacity(self) -> int:
