@@ -35,9 +35,10 @@ from kvstrata.tiers.s3 import (
     object_name,
     parse_object_name,
 )
+from tests.conftest import free_port
 
 if TYPE_CHECKING:
-    from tests.s3fixture import MotoServer, free_port
+    from tests.s3fixture import MotoServer
 
 pytest_plugins = ["tests.s3fixture"]
 
@@ -346,7 +347,7 @@ def test_missing_bucket_stops_startup_but_an_absent_endpoint_does_not(
     """A bucket that does not exist is a configuration error (clear message at start); an S3
     endpoint that does not answer is an outage (the tier starts and degrades to misses)."""
     cfg = S3Config(bucket="no-such-bucket", endpoint=moto_server.endpoint, retries=0)
-    with pytest.raises(TierUnavailable, match="no-such-bucket.*not usable"):
+    with pytest.raises(TierUnavailable, match=r"no-such-bucket.*not usable"):
         S3Tier(cfg)
     down = S3Config(bucket="b", endpoint=f"http://127.0.0.1:{free_port()}", retries=0)
     tier = S3Tier(down)
