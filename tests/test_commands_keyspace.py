@@ -148,5 +148,6 @@ def test_memory_usage(srv: FakeServer, c: FakeCtx) -> None:
     assert c.call("MEMORY", "USAGE", "kv:ns:ab", "SAMPLES", "5") >= 4096
     assert c.call("MEMORY", "USAGE", "missing") is None
     assert err(c, "MEMORY", "USAGE", "k", "SAMPLES") == "ERR syntax error"
+    assert err(c, "MEMORY", "USAGE", "k", "SAMPLES", "-1") == "ERR syntax error"
     assert err(c, "MEMORY", "USAGE", "k", "FOO", "1") == "ERR syntax error"
     assert c.call("MEMORY", "HELP")[0].startswith(b"MEMORY <subcommand>")

@@ -196,7 +196,7 @@ def test_monitor_and_shutdown(srv: FakeServer, c: FakeCtx) -> None:
     assert c.call("MONITOR") == OK
     assert c in srv.monitors and "O" in c.client.flags
     other = srv.connect()
-    assert err(other, "SHUTDOWN", "ABORT") == "ERR Errors trying to abort SHUTDOWN. Check logs."
+    assert err(other, "SHUTDOWN", "ABORT") == "ERR No shutdown in progress."
     assert err(other, "SHUTDOWN", "SAVE", "NOSAVE") == "ERR syntax error"
     assert err(other, "SHUTDOWN", "BOGUS") == "ERR syntax error"
     assert not srv.shutdown_requested

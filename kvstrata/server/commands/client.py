@@ -195,7 +195,7 @@ def client_info(ctx: Ctx, args: Args) -> Reply:
     summary="Lists open connections.",
     complexity="O(N) where N is the number of client connections",
     arguments=(
-        Arg("client-type", "string", token="TYPE"),
+        Arg("client-type", "string", optional=True, token="TYPE"),
         Arg("client-id", "integer", optional=True, multiple=True, token="ID"),
     ),
     reply="Verbatim string: one line per connection.",

@@ -340,10 +340,8 @@ container("MEMORY", group="server", summary="A container for memory diagnostics 
 def memory_usage(ctx: Ctx, args: Args) -> Reply:
     if len(args) not in (3, 5):
         raise syntax_error()
-    if len(args) == 5:
-        if arg_upper(args[3]) != b"SAMPLES":
-            raise syntax_error()
-        parse_int(args[4])
+    if len(args) == 5 and (arg_upper(args[3]) != b"SAMPLES" or parse_int(args[4]) < 0):
+        raise syntax_error()
     key = arg_bytes(args[2])
     entry = ctx.server.keyspace.lookup(key)
     return None if entry is None else entry.memory_usage() + len(key)

@@ -350,7 +350,7 @@ def shutdown(ctx: Ctx, args: Args) -> Reply:
     if (b"ABORT" in opts and len(opts) > 1) or {b"SAVE", b"NOSAVE"} <= opts:
         raise syntax_error()
     if b"ABORT" in opts:
-        raise CommandError("Errors trying to abort SHUTDOWN. Check logs.")
+        raise CommandError("No shutdown in progress.")  # shutdowns here are never pending
     ctx.server.request_shutdown()
     ctx.close_after_reply()
     return NO_REPLY
