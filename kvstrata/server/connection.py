@@ -47,7 +47,6 @@ UNAUTH_MAX_ARGS = 10
 JOIN_LIMIT = 64 * 1024  # replies up to this size are joined into one write
 FLUSH_PARTS = 48  # reply buffers gathered before they are handed to the transport
 _NO_SINKS: dict[int, Any] = {}
-_NEVER = float("inf")
 #: as Redis: AUTH/HELLO and admin commands (CONFIG SET requirepass …) are not shown to MONITOR
 _NOT_MONITORED = frozenset({"no_auth", "admin"})
 
@@ -69,7 +68,6 @@ class Connection(asyncio.BufferedProtocol):
         self._read_paused = False
         self._write_paused = False
         self._resp3 = False
-        self._monitor = False
         self._task: asyncio.Task[None] | None = None
         self._queue: deque[Any] = deque()  # plain argument lists, or WithSinks
         self._slow = 0.0  # slow-log threshold in seconds, refreshed per batch
@@ -137,8 +135,7 @@ class Connection(asyncio.BufferedProtocol):
     def _process(self) -> None:
         """Decode what is buffered and run it, unless paused or an async command is running."""
         values = self.server.config.values
-        micros = values["slowlog-log-slower-than"]
-        self._slow = micros / 1e6 if micros >= 0 else _NEVER
+        self._slow = self.server.slowlog_threshold  # once per batch
         queue = self._queue
         intake = self._in
         executed = 0
@@ -371,12 +368,10 @@ class Connection(asyncio.BufferedProtocol):
         self.client.protocol = version
 
     def start_monitor(self) -> None:
-        self._monitor = True
         self.client.flags.add("O")
         self.server.monitors.add(self)
 
     def stop_monitor(self) -> None:
-        self._monitor = False
         self.client.flags.discard("O")
         self.server.monitors.discard(self)
 
