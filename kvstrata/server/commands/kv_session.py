@@ -9,6 +9,9 @@
 
 The target defaults to ``dram``; ``TO gpu`` promotes into the GPU tier (as ``KV.LEASE … TIER
 gpu`` does); ``TO nvme`` copies chunks held only in s3 to the local disk.
+With an S3 tier, KV.SESSION also records the session in the bucket, and ``KV.PREFETCH …
+SESSION`` finds sessions recorded on any node and walks the chain's ancestors through S3 (the
+reply then waits for those lookups, bounded by the remote lookup timeout).
 In the chain form a hash equal to ``TO`` or ``DEADLINE`` must not be second to last, and the
 first hash must not be ``SESSION`` or ``CANCEL`` when exactly one more argument follows.
 """
@@ -110,9 +113,19 @@ def kv_prefetch(ctx: Ctx, args: Args) -> Reply:
         end, target, deadline = _trailing_options(args, 3)
         if end != 4:
             raise syntax_error()
-        request_id, queued = store.prefetch_session(ns, _session_id(args[3]), target, deadline)
+        session = _session_id(args[3])
+        if store.shares_sessions:  # the session may be recorded on another node: ask S3
+            return _prefetch_shared(store, ns, session, target, deadline)
+        request_id, queued = store.prefetch_session(ns, session, target, deadline)
         return [request_id, queued]
     end, target, deadline = _trailing_options(args, 2)
     hashes = check_hashes(args[2:end])
     request_id, queued = store.prefetch_request(ns, hashes, target, deadline)
+    return [request_id, queued]
+
+
+async def _prefetch_shared(
+    store: Any, ns: str, session: bytes, target: str | None, deadline: int | None
+) -> Reply:
+    request_id, queued = await store.prefetch_session_shared(ns, session, target, deadline)
     return [request_id, queued]
