@@ -259,8 +259,8 @@ def test_authenticated_objects_reject_tampering_and_replays(
             key0 = object_name("kvstrata", ChunkKey(NS, hashes[0]))
             key3 = object_name("kvstrata", ChunkKey(NS, hashes[3]))
             src = client.get_object(Bucket=s3_bucket, Key=key0)
-            client.put_object(Bucket=s3_bucket, Key=key3, Body=src["Body"].read(),
-                              Metadata={**src["Metadata"], "kvs-parent": hashes[2].hex()})  # fmt: skip
+            replay = {**src["Metadata"], "kvs-parent": hashes[2].hex()}
+            client.put_object(Bucket=s3_bucket, Key=key3, Body=src["Body"].read(), Metadata=replay)
             untagged = plant(moto_server, s3_bucket, b"untagged", blob(5))
             before = names(moto_server, s3_bucket)
             for store in (b, c):
