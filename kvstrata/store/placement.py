@@ -63,7 +63,9 @@ class Placement:
 
     def __init__(self, state: StoreState) -> None:
         self.state = state
-        self.heaps = {t.name: LruHeap(t.name) for t in state.tiers}
+        # no heap for the shared tier: it is unbounded and never evicted (and a node may hold
+        # a million records of chunks only there: s3-max-remote-records)
+        self.heaps = {t.name: LruHeap(t.name) for t in state.tiers if not is_shared(t)}
         self._kick = asyncio.Event()
         state.index.on_change = self.changed
         #: told when a shared tier holds a newer version of a chunk than the record (the
@@ -112,7 +114,9 @@ class Placement:
 
     def pick(self, i: int, need: int) -> list[ChunkRecord]:
         """Pop LRU leaf candidates of tier ``i`` adding up to at least ``need`` bytes."""
-        heap = self.heaps[self.state.tiers[i].name]
+        heap = self.heaps.get(self.state.tiers[i].name)
+        if heap is None:
+            return []
         victims: list[ChunkRecord] = []
         skipped: list[ChunkRecord] = []
         got = 0
