@@ -46,6 +46,8 @@ from kvstrata.tiers.base import (
 from kvstrata.tiers.checksum import checksum
 
 log = logging.getLogger("kvstrata.store.placement")
+#: ``_write_lower``: a lower tier refused the victim itself; it is dropped, eviction goes on
+_REFUSED = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,25 +256,30 @@ class Placement:
         return rec.alive and (held or not local)
 
     async def _write_lower(self, rec: ChunkRecord, i: int) -> str | None:
+        """Write ``rec`` to the first tier below ``i`` that takes it: that tier's name; None
+        when none could; :data:`_REFUSED` when a tier refused the chunk itself (a ValueError:
+        metadata its format cannot hold), so keeping the victim would only stall eviction."""
         state = self.state
         src = state.tiers[i]
         data = await self.read_copy(rec, src)
         if data is None:
             return None
         meta = rec.meta()
+        refused = False
         for j in range(i + 1, len(state.tiers)):
             dst = state.tiers[j]
             if dst.name in rec.tiers:
                 continue
             try:
                 await self.put_with_room(j, meta, data)
-            except (TierError, ValueError) as exc:  # ValueError: a tier refused the metadata
+            except (TierError, ValueError) as exc:
                 state.tier_error(dst.name, f"write-back of {rec.key.hex[:16]}", exc)
+                refused = refused or isinstance(exc, ValueError)
                 continue
             state.index.add_tier(rec, dst.name)
             state.counters[dst.name].bytes_in += rec.size
             return dst.name
-        return None
+        return _REFUSED if refused else None
 
     async def read_copy(self, rec: ChunkRecord, src: Tier) -> Buffer | None:
         """The bytes of ``rec`` in ``src`` (a view for host memory tiers, else a fresh buffer,
