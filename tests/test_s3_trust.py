@@ -404,6 +404,34 @@ def test_session_recorded_on_a_is_prefetched_in_full_on_b(
     run(main())
 
 
+def test_planted_session_objects_are_counted_misses(
+    moto_server: MotoServer, s3_bucket: str
+) -> None:
+    """Scenario: session objects planted with boto3: one not JSON, one nested too deep, one
+    naming another session, and (for a node with a key) a well-formed but untagged one. Each is
+    a miss for KV.PREFETCH SESSION, counted, and stays in the bucket."""
+    from kvstrata.tiers.s3_objects import SessionObject, encode_session, session_name
+
+    async def main() -> None:
+        client = moto_server.client()
+        good = encode_session(SessionObject(NS, b"s-ok", b"tail", 2**62))
+        bodies = {b"s-junk": b"not json", b"s-deep": b"[" * 3000 + b"]" * 3000,
+                  b"s-other": encode_session(SessionObject(NS, b"elsewhere", b"t", 2**62)),
+                  b"s-ok": good}  # fmt: skip
+        for sid, body in bodies.items():
+            client.put_object(Bucket=s3_bucket, Key=session_name("kvstrata", NS, sid), Body=body)
+        async with node(moto_server, s3_bucket) as b, node(moto_server, s3_bucket, KEY) as c:
+            for sid in (b"s-junk", b"s-deep", b"s-other"):
+                assert await b.prefetch_session_shared(NS, sid) == (0, 0)
+            assert tier_row(b)["invalid_objects"] == 3
+            assert (await b.prefetch_session_shared(NS, b"s-ok"))[1] == 1  # the tail, unknown
+            assert await c.prefetch_session_shared(NS, b"s-ok") == (0, 0)
+            assert tier_row(c)["auth_failures"] == 1
+        assert len(names(moto_server, s3_bucket)) == 4
+
+    run(main())
+
+
 # -- bounded remote records ----------------------------------------------------------------------
 
 

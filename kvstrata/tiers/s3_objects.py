@@ -164,8 +164,8 @@ def decode_session(ns: str, session: bytes, body: bytes) -> SessionObject:
         doc = json.loads(body)
         fmt, obj_ns, sid = doc["format"], doc["namespace"], bytes.fromhex(doc["session"])
         tail, expires = validate_hash(bytes.fromhex(doc["tail"])), doc["expires_ms"]
-    except (ValueError, KeyError, TypeError, CommandError) as exc:
-        raise InvalidObject(f"bad session object: {exc}") from None
+    except (ValueError, KeyError, TypeError, RecursionError, CommandError) as exc:
+        raise InvalidObject(f"bad session object: {type(exc).__name__}") from None
     if fmt != int(FORMAT_VERSION) or obj_ns != ns or sid != session or type(expires) is not int:
         raise InvalidObject("session object of another format, session or namespace")
     return SessionObject(ns, session, tail, expires)

@@ -48,7 +48,8 @@ def _session_id(arg: Any) -> bytes:
     group="kv",
     summary="Records that a session's conversation currently ends at this chunk (its chain is "
     "what KV.PREFETCH ns SESSION promotes). TTL (ms, default one hour) bounds how long the "
-    "session is remembered.",
+    "session is remembered. With an S3 tier the session is also written to the bucket for "
+    "other nodes (at once with write-through, once the tail chunk reaches S3 with write-back).",
     arguments=(NS, SESSION, HASH, Arg("ttl", "integer", optional=True, token="TTL")),
     reply="Simple string OK.",
 )
@@ -90,7 +91,9 @@ def _trailing_options(args: Args, first: int) -> tuple[int, str | None, int | No
     summary="Queues the background promotion of a chain (or of a session's chain with "
     "SESSION) toward a fast tier (TO dram, the default, gpu, or nvme) and returns at once. "
     "DEADLINE (ms) marks the request late when it is not done in time; CANCEL id takes a "
-    "request out of the queue. INFO prefetch shows the queue.",
+    "request out of the queue. INFO prefetch shows the queue. With an S3 tier, SESSION finds "
+    "sessions recorded on any node and walks the chain's ancestors through S3 before it "
+    "answers.",
     complexity="O(N) hashes",
     arguments=(
         NS,
