@@ -194,7 +194,7 @@ class S3Tier(Tier):
         """Delete the chunk's object if it is a valid one (that version only: an object that
         another node wrote meanwhile, or one this node may not judge, stays)."""
         since = self._negative.seq()
-        head = await self._head(key, since)
+        head = await self._head(key)
         existed = head is not None and head.meta is not None
         if head is not None and existed:
             name = object_name(self.prefix, key)
@@ -214,7 +214,7 @@ class S3Tier(Tier):
             self.stats.extra["negative_hits"] += 1
             return None
         since = self._negative.seq()
-        head = await self._head(key, since)
+        head = await self._head(key)
         meta = None if head is None else head.meta
         if meta is None:
             self._missed(key, since)
@@ -337,7 +337,7 @@ class S3Tier(Tier):
                 break
         return found
 
-    async def _head(self, key: ChunkKey, since: int) -> Head | None:
+    async def _head(self, key: ChunkKey) -> Head | None:
         """HEAD → the object's judged metadata; None when absent or rejected (counted)."""
         try:
             head: Head = await self._call(
@@ -346,7 +346,7 @@ class S3Tier(Tier):
         except ChunkMissing:
             return None
         except (InvalidObject, AuthFailure) as exc:
-            self._rejected(key, since, exc)
+            self._count_rejected(object_name(self.prefix, key), exc)  # the caller: a miss
             return None
         return head
 
