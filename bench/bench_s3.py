@@ -1,18 +1,27 @@
-"""S3 tier put/get throughput against raw boto3 put_object/get_object, same endpoint, same run.
+"""S3 tier put/get throughput, with and without ``s3-auth-key``, against raw boto3
+put_object/get_object, same endpoint, same run; and index memory per remote record.
 
     python bench/bench_s3.py                      # starts moto_server on a free loopback port
     python bench/bench_s3.py --endpoint http://127.0.0.1:9000 --bucket kvstrata   # e.g. MinIO
 
 The raw peer uses a boto3 client with the tier's botocore settings (path addressing, no CRC
 trailers) and reads the body with ``.read()`` into new bytes; the tier reads into a caller's
-buffer and verifies the xxh3-128 checksum. Requests are sequential (one in flight) so the
-figures compare per-request cost; with moto both sides are bounded by moto's Python server.
+buffer and verifies the xxh3-128 checksum; the authenticated tier also computes (put) and
+checks (get) the HMAC-SHA256 tag over metadata and payload. A fourth column is the HMAC alone
+over the same bytes in memory (the ceiling the tag puts on one connection). Requests are
+sequential (one in flight) so the figures compare per-request cost; with moto all sides are
+bounded by moto's Python server.
+
+The memory figure: ``--records`` chunk records adopted from a shared tier (index record,
+keyspace entry, LRU entry of ``s3-max-remote-records``), measured with tracemalloc.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import hmac
 import os
 import sys
 import time
@@ -96,43 +105,87 @@ async def timed(op: Callable[[], Awaitable[None]], reps: int) -> float:
     return time.perf_counter() - started
 
 
-async def compare(raw: RawPeer, tier: TierPeer, op: str, reps: int, rounds: int) -> list[float]:
-    """Median MB/s of raw and tier, rounds alternating so drift hits both sides alike."""
-    samples: dict[str, list[float]] = {"raw": [], "tier": []}
-    await getattr(raw, op)()  # warm-up: connections, first allocation
-    await getattr(tier, op)()
+async def compare(peers: list[Any], op: str, reps: int, rounds: int) -> list[float]:
+    """Median MB/s of each peer, rounds alternating so drift hits every side alike."""
+    samples: list[list[float]] = [[] for _ in peers]
+    for peer in peers:
+        await getattr(peer, op)()  # warm-up: connections, first allocation
     for _ in range(rounds):
-        for name, peer in (("raw", raw), ("tier", tier)):
+        for i, peer in enumerate(peers):
             seconds = await timed(getattr(peer, op), reps)
-            samples[name].append(rate(len(raw.data) * reps, seconds))
-    return [median(samples["raw"]), median(samples["tier"])]
+            samples[i].append(rate(len(peer.data) * reps, seconds))
+    return [median(s) for s in samples]
+
+
+def hmac_rate(data: bytes, reps: int = 3) -> float:
+    started = time.perf_counter()
+    for _ in range(reps):
+        hmac.new(b"k" * 32, data, hashlib.sha256).digest()
+    return rate(len(data) * reps, time.perf_counter() - started)
 
 
 def run(endpoint: str, bucket: str, region: str, sizes: list[int], budget: int) -> None:
     client = raw_client(endpoint, region)
     config = S3Config(bucket=bucket, endpoint=endpoint, region=region, prefix="bench")
-    rows: list[tuple[str, str, float, float]] = []
+    authed = S3Config(bucket=bucket, endpoint=endpoint, region=region, prefix="bench-auth",
+                      auth_key=b"bench-auth-key-0123456789")  # fmt: skip
+    rows: list[tuple[str, str, list[float], float]] = []
     rounds = 5
 
     async def runs() -> None:
-        tier = S3Tier(config)
+        tier, tier_auth = S3Tier(config), S3Tier(authed)
         try:
             for size in sizes:
                 data = np.random.default_rng(size).integers(0, 256, size * MiB, np.uint8).tobytes()
                 reps = max(1, budget // size // rounds)
-                raw_peer, tier_peer = RawPeer(client, bucket, data), TierPeer(tier, data)
+                peers = [RawPeer(client, bucket, data), TierPeer(tier, data),
+                         TierPeer(tier_auth, data)]  # fmt: skip
+                mac = hmac_rate(data)
                 for op in ("put", "get"):
-                    raw_rate, tier_rate = await compare(raw_peer, tier_peer, op, reps, rounds)
-                    rows.append((f"{size} MiB", op, raw_rate, tier_rate))
+                    rows.append((f"{size} MiB", op, await compare(peers, op, reps, rounds), mac))
         finally:
             await tier.close()
+            await tier_auth.close()
 
     asyncio.run(runs())
     print(f"endpoint {endpoint}: sequential requests, median of {rounds} alternating rounds, "
           "MB/s (1e6 B/s)")  # fmt: skip
-    print(f"{'size':>7} {'op':>4} {'raw boto3':>10} {'S3Tier':>10} {'tier/raw':>9}")
-    for size_label, op, raw, tier_rate in rows:
-        print(f"{size_label:>7} {op:>4} {raw:10.1f} {tier_rate:10.1f} {tier_rate / raw:9.2f}")
+    print(f"{'size':>7} {'op':>4} {'raw boto3':>10} {'S3Tier':>10} {'+auth':>10} "
+          f"{'tier/raw':>9} {'auth/raw':>9} {'HMAC only':>10}")  # fmt: skip
+    for size_label, op, (raw, plain, auth), mac in rows:
+        print(f"{size_label:>7} {op:>4} {raw:10.1f} {plain:10.1f} {auth:10.1f} "
+              f"{plain / raw:9.2f} {auth / raw:9.2f} {mac:10.1f}")  # fmt: skip
+
+
+def record_memory(count: int) -> None:
+    """Bytes of index memory per record of a chunk held only in the shared tier."""
+    import tracemalloc
+
+    from tests.fakes import FakeTier, make_dram, open_store
+
+    async def measure() -> tuple[float, int]:
+        async with open_store([make_dram(1 << 20), FakeTier("s3")],
+                              s3_max_remote_records=count) as store:  # fmt: skip
+            metas, parent = [], b""
+            for i in range(count):  # chains of 500 chunks (128k-token prompts)
+                h = os.urandom(32)
+                metas.append(ChunkMeta(ChunkKey("llama-3.1-8b@bf16@tp1r0@c256", h),
+                                       b"" if i % 500 == 0 else parent, 256, 8 * MiB,
+                                       os.urandom(16)))  # fmt: skip
+                parent = h
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            for meta in metas:
+                store.remote.adopt(meta)
+            after = tracemalloc.get_traced_memory()[0]
+            tracemalloc.stop()
+            assert len(store.index) == count and len(store.remote.records) == count
+            return (after - before) / count, len(store.index)
+
+    per, n = asyncio.run(measure())
+    print(f"\nindex memory per remote record (tracemalloc, {n} records in chains of 500, "
+          f"32-byte hashes): {per:.0f} B; s3-max-remote-records at its default (1,000,000): "
+          f"about {per * 1e6 / 2**20:.0f} MiB")
 
 
 def main() -> None:
@@ -142,7 +195,9 @@ def main() -> None:
     parser.add_argument("--region", default="us-east-1")
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="MiB list")
     parser.add_argument("--budget", type=int, default=128, help="MiB moved per size, op and side")
+    parser.add_argument("--records", type=int, default=100_000, help="remote records to measure")
     args = parser.parse_args()
+    record_memory(args.records)
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.endpoint:
         bucket = args.bucket or f"kvstrata-bench-{uuid.uuid4().hex[:8]}"

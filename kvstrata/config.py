@@ -129,6 +129,17 @@ def _str(text: Any) -> str:
     return str(text)
 
 
+def _auth_key(text: Any) -> str:
+    key = str(text)
+    if key and len(key) < 16:
+        raise ValueError("must be empty or at least 16 characters")  # never echo the key
+    return key
+
+
+def _redacted(value: Any) -> str:
+    return "(redacted)" if value else ""
+
+
 def _bind(text: Any) -> str:
     parts = str(text).split()
     if not parts:
@@ -229,6 +240,11 @@ OPTIONS: tuple[Option, ...] = (
     _opt("s3-max-connections", 16, _int(1, 1024), "Parallel S3 requests."),
     _opt("s3-timeout", 10.0, _float(0.1, 3600.0),
          "Seconds per S3 request before it counts as failed."),
+    _opt("s3-auth-key", "", _auth_key, "Key of the HMAC-SHA256 tags on S3 objects (16+ "
+         "characters; empty: no tags). Objects without a valid tag are misses; shown redacted.",
+         secret=True, fmt=_redacted),
+    _opt("s3-max-remote-records", 1_000_000, _int(0, 10**9), "Most index records of chunks "
+         "held only in S3 (least recently used are forgotten, the objects stay; 0: no bound)."),
     _opt("gpu-device", 0, _int(0, 64), "CUDA device of the GPU tier."),
     _opt("gpu-capacity", 0, parse_size, "GPU pool size (0 disables the GPU tier).", **_SIZE),
     _opt("gpu-high-watermark", 0.95, _ratio, "Demote from the GPU pool to DRAM above this fill "

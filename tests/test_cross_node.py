@@ -107,3 +107,94 @@ def test_session_prefetch_on_b_before_the_next_lease(
     assert len(handles) == 4
     assert info(rb, "tiers")["dram_promotions"] == promotions
     rb.execute_command("KV.RELEASE", lease_id)
+
+
+def wait_prefetched(r: redis.Redis, done: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        pf = info(r, "prefetch")
+        if pf["prefetch_done"] >= done and pf["prefetch_running"] == 0:
+            return pf
+        time.sleep(0.05)
+    return info(r, "prefetch")
+
+
+def test_session_recorded_on_a_is_prefetched_in_full_on_b_and_c(
+    make_server: Callable[..., RunningServer], moto_server: MotoServer, s3_bucket: str
+) -> None:
+    """Scenario (a load balancer sends the next turn elsewhere): A stores a 4-chunk
+    conversation and records KV.SESSION. B never heard of the session nor its chunks;
+    KV.PREFETCH SESSION on B finds the session object in S3, walks the chain through S3 and
+    promotes all 4 chunks. C knows the session's tail only (its own KV.SESSION) and also
+    gets the whole chain, not just the tail."""
+    ra, rb = pair(make_server, moto_server.endpoint, s3_bucket)
+    rc = client(make_server(s3_endpoint=moto_server.endpoint, s3_bucket=s3_bucket,
+                            dram_capacity="8MiB", nvme_capacity="16MiB"))  # fmt: skip
+    hashes = chunk_hashes(struct.pack("<16I", *range(300, 316)), NS, CHUNK)
+    put_chain(ra, hashes)
+    assert ra.execute_command("KV.SESSION", NS, "turns", hashes[-1]) == b"OK"
+    deadline = time.monotonic() + 20
+    while info(ra, "prefetch").get("sessions_shared_written", 0) < 1 and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    for r in (rb, rc):
+        if r is rc:
+            assert rc.execute_command("KV.SESSION", NS, "turns", hashes[-1]) == b"OK"
+        request_id, queued = r.execute_command("KV.PREFETCH", NS, "SESSION", "turns")
+        assert request_id > 0 and queued == 4
+        pf = wait_prefetched(r, 1)
+        assert (pf["prefetch_done"], pf["prefetch_chunks"]) == (1, 4)
+        tiers = r.execute_command("KV.MATCH", NS, *hashes, "WITHTIERS")
+        assert tiers == [4, [b"dram"] * 4]
+    assert rb.execute_command("KV.PREFETCH", NS, "SESSION", "nobody") == [0, 0]
+
+
+def test_planted_object_with_empty_codec_does_not_break_puts(
+    make_server: Callable[..., RunningServer], moto_server: MotoServer, s3_bucket: str
+) -> None:
+    """Scenario: an object planted with boto3 has the right payload checksum but an empty
+    kvs-codec. Node B's GET is a miss (counted in s3_invalid_objects, the object stays), and
+    30 ordinary KV.PUTs that push DRAM's victims to NVMe all succeed."""
+    from kvstrata.store.keys import ChunkKey
+    from kvstrata.tiers.checksum import checksum
+    from kvstrata.tiers.s3_objects import object_name
+
+    body = b"\x05" * SIZE
+    name = object_name("kvstrata", ChunkKey(NS, b"planted"))
+    md = {"kvs-version": "1", "kvs-parent": "", "kvs-tokens": "4", "kvs-codec": "",
+          "kvs-checksum": checksum(body).hex(), "kvs-size": str(SIZE)}  # fmt: skip
+    s3 = moto_server.client()
+    s3.put_object(Bucket=s3_bucket, Key=name, Body=body, Metadata=md)
+    rb = client(make_server(s3_endpoint=moto_server.endpoint, s3_bucket=s3_bucket,
+                            dram_capacity="1MiB", nvme_capacity="16MiB"))  # fmt: skip
+    got = rb.execute_command("KV.GET", NS, b"planted")
+    failed = []
+    for i in range(30):
+        try:
+            rb.execute_command("KV.PUT", NS, b"p%d" % i, b"", bytes([i]) * (4 * SIZE))
+        except redis.ResponseError as exc:
+            failed.append(str(exc))
+    assert failed == []
+    assert got is None and info(rb, "tiers")["s3_invalid_objects"] == 1
+    assert s3.head_object(Bucket=s3_bucket, Key=name)["Metadata"]["kvs-codec"] == ""
+
+
+def test_auth_key_is_redacted(
+    make_server: Callable[..., RunningServer], moto_server: MotoServer, s3_bucket: str
+) -> None:
+    """s3-auth-key is never shown: CONFIG GET by name answers "(redacted)", patterns skip
+    it, INFO says only that authentication is on."""
+    key = "secret-auth-key-" + "z" * 16
+    r = client(make_server(s3_endpoint=moto_server.endpoint, s3_bucket=s3_bucket,
+                           s3_auth_key=key))  # fmt: skip
+    assert r.config_get("s3-auth-key") == {"s3-auth-key": "(redacted)"}
+    assert "s3-auth-key" not in r.config_get("*")
+    everything = r.execute_command("INFO", "everything")
+    text = everything.decode() if isinstance(everything, bytes) else str(everything)
+    assert key not in text and info(r, "tiers")["s3_auth"] == "on"
+    try:
+        r.config_set("s3-auth-key", "x" * 20)
+        raise AssertionError("CONFIG SET s3-auth-key succeeded")
+    except redis.ResponseError as exc:
+        assert "x" * 20 not in str(exc)

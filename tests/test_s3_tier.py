@@ -35,6 +35,7 @@ from kvstrata.tiers.s3 import (
     object_name,
     parse_object_name,
 )
+from kvstrata.tiers.s3_objects import InvalidObject
 from tests.conftest import free_port
 
 if TYPE_CHECKING:
@@ -100,11 +101,14 @@ def test_foreign_names_are_not_chunks() -> None:
 
 def test_metadata_round_trip_and_versions() -> None:
     meta, _ = chunk(1, 10, parent=b"\x07" * 32)
-    meta = ChunkMeta(meta.key, meta.parent, 3, 10, meta.checksum, codec="kivi int4/é")
+    meta = ChunkMeta(meta.key, meta.parent, 3, 10, meta.checksum, codec="kivi int4/%x")
     md = encode_metadata(meta)
     assert all(v.isascii() for v in md.values())
     assert decode_metadata(meta.key, md, 10) == meta
     assert decode_metadata(meta.key, {**md, "kvs-version": "99"}, 10) is None
+    # a codec no tier header can hold (not ASCII) is refused like a client write would be
+    with pytest.raises(InvalidObject, match="codec"):
+        decode_metadata(meta.key, {**md, "kvs-codec": "kivi%C3%A9"}, 10)
 
 
 def test_config_from_kvstrata_config(moto_server: MotoServer) -> None:
@@ -199,7 +203,8 @@ def test_checksum_mismatch_removes_object(moto_server: MotoServer, s3_bucket: st
 
 
 def test_foreign_objects_under_our_names(moto_server: MotoServer, s3_bucket: str) -> None:
-    """No metadata: corrupt (removed). Another format version: a miss, left in place."""
+    """No metadata: not a valid kvstrata object, a miss counted as invalid and left in place.
+    Another format version: a miss, left in place, not counted."""
     s3 = moto_server.client()
     plain, _ = chunk(5, 10)
     newer, data = chunk(6, 10)
@@ -208,15 +213,18 @@ def test_foreign_objects_under_our_names(moto_server: MotoServer, s3_bucket: str
     s3.put_object(Bucket=s3_bucket, Key=object_name("kvstrata", newer.key), Body=data, Metadata=md)
 
     async def body(t: S3Tier) -> None:
-        with pytest.raises(IntegrityError):
+        with pytest.raises(ChunkMissing):
             await t.get(plain.key, memoryview(bytearray(10)))
+        assert not await t.contains(plain.key)
         with pytest.raises(ChunkMissing):
             await t.get(newer.key, memoryview(bytearray(10)))
         assert not await t.contains(newer.key)
+        assert not await t.delete(plain.key)  # not ours to judge: left alone
+        assert (t.info()["invalid_objects"], t.stats.integrity_errors) == (3, 0)
 
     run(make_tier(moto_server, s3_bucket, negative_ttl=0), body)
-    names = [o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
-    assert names == [object_name("kvstrata", newer.key)]
+    names = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket).get("Contents", []))
+    assert names == sorted(object_name("kvstrata", m.key) for m in (plain, newer))
 
 
 def test_negative_cache_and_own_puts(moto_server: MotoServer, s3_bucket: str) -> None:

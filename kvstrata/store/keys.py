@@ -94,3 +94,39 @@ def validate_parent(raw: bytes | bytearray | memoryview, hash: bytes | None = No
     if hash is not None and data == hash:
         raise CommandError("invalid parent: a chunk cannot be its own parent")
     return validate_hash(data, "parent")
+
+
+MAX_TOKENS = 2**31 - 1
+MAX_CODEC_BYTES = 255
+_CODEC_RE = re.compile(r"[ -~]{1,255}")  # printable ASCII: what every tier's header holds
+
+
+def validate_tokens(value: int) -> int:
+    """The number of tokens a chunk covers: 0 to 2**31 - 1 (``TOKENS`` of KV.PUT)."""
+    if not 0 <= value <= MAX_TOKENS:
+        raise CommandError(f"invalid TOKENS: must be 0 to {MAX_TOKENS}, got {value}")
+    return value
+
+
+def validate_codec(name: str) -> str:
+    """A codec name: 1–255 printable ASCII characters."""
+    if not _CODEC_RE.fullmatch(name):
+        raise CommandError(
+            f"invalid codec: 1 to {MAX_CODEC_BYTES} printable ASCII characters (got "
+            f"{len(name)} characters)"
+        )
+    return name
+
+
+def validate_meta(meta: ChunkMeta) -> ChunkMeta:
+    """Check every field of a chunk's metadata with the rules a client write (KV.PUT) is held
+    to; raise the same ``ERR``. Used for metadata that comes from outside (the shared tier)."""
+    key = meta.key
+    validate_namespace(key.namespace)
+    validate_hash(key.hash)
+    validate_parent(meta.parent, key.hash)
+    validate_tokens(meta.tokens)
+    validate_codec(meta.codec)
+    if meta.size < 1:
+        raise CommandError("invalid payload: empty")
+    return meta

@@ -57,6 +57,7 @@ class KVStore:
         self.gpu = GpuPath(self.state, self.placement) if self.state.gpu is not None else None
         self.writes = WritePath(self.state, self.placement, self.gpu)
         self.remote = RemotePath(self.state)
+        self.placement.on_replaced = self.remote.replaced
         self.reads = ReadPath(self.state, self.placement, self.remote, self.gpu)
         self.hints = PrefetchPath(self.state, self.placement, self.reads, self.remote, self.gpu)
         self.rebuild = empty_report()  # what start() found in the local persistent tiers
@@ -281,8 +282,21 @@ class KVStore:
     def prefetch_session(
         self, ns: str, session: bytes, target: str | None = None, deadline_ms: int | None = None
     ) -> tuple[int, int]:
-        """Queue the promotion of a session's chain; (request id, chunks queued)."""
+        """Queue the promotion of a session's chain; (request id, chunks queued). Local:
+        see :meth:`prefetch_session_shared` for a store with a shared tier."""
         return self.hints.submit_session(ns, session, target, deadline_ms)
+
+    @property
+    def shares_sessions(self) -> bool:
+        """True when sessions are also kept in the shared tier (an S3 tier is configured)."""
+        return self.hints.shared.enabled
+
+    async def prefetch_session_shared(
+        self, ns: str, session: bytes, target: str | None = None, deadline_ms: int | None = None
+    ) -> tuple[int, int]:
+        """The promotion of a session's chain recorded on any node (its object in S3), with
+        the chain's ancestors looked up in S3; (request id, chunks queued)."""
+        return await self.hints.submit_session_shared(ns, session, target, deadline_ms)
 
     def cancel_prefetch(self, request_id: int) -> bool:
         return self.hints.prefetch.cancel(request_id)

@@ -14,6 +14,10 @@ one chunk at a time for the scheduler's workers:
   is local;
 - a chunk this node does not know yet is looked up in the shared tier first.
 
+With a shared tier, sessions are shared too (``shared_sessions``): KV.SESSION also writes a
+session object to S3, and :meth:`PrefetchPath.submit_session_shared` reads it and walks the
+chain's ancestors through S3, so a session recorded on one node is prefetched in full on any.
+
 A request is trimmed to the chunks that fit in the target's low watermark (so a chain larger
 than the tier does not evict its own first chunks), and chunks already in the target (as far as
 the index knows) are not queued.
@@ -33,6 +37,7 @@ from kvstrata.store.kvstore_state import StoreState, is_shared
 from kvstrata.store.placement import Placement
 from kvstrata.store.prefetch import PrefetchRequest, PrefetchScheduler
 from kvstrata.store.sessions import DEFAULT_TTL_MS, SessionTable
+from kvstrata.store.shared_sessions import SharedSessions
 from kvstrata.tiers.base import MemoryTier, TierError
 
 MAX_CHAIN = 65_536
@@ -53,6 +58,10 @@ class PrefetchPath:
         self.remote = remote
         self.gpu = gpu
         self.sessions = SessionTable()
+        remote_name = state.remote.name if state.remote is not None else ""
+        self.shared = SharedSessions(
+            state, remote, lambda: placement.policy(remote_name).write_through
+        )
         config = state.config
         self.prefetch = PrefetchScheduler(
             self.fetch_one,
@@ -128,7 +137,9 @@ class PrefetchPath:
     # -- requests --------------------------------------------------------------------------------
 
     def record_session(self, ns: str, session: bytes, tail: bytes, ttl_ms: int | None) -> None:
-        self.sessions.record(ns, session, tail, DEFAULT_TTL_MS if ttl_ms is None else ttl_ms)
+        ttl = DEFAULT_TTL_MS if ttl_ms is None else ttl_ms
+        self.sessions.record(ns, session, tail, ttl)
+        self.shared.record(ns, session, tail, ttl)
 
     def submit(
         self,
@@ -153,6 +164,25 @@ class PrefetchPath:
         chain = self.session_chain(ns, session)
         if not chain:
             return 0, 0
+        return self.submit(ns, chain, target, deadline_ms, session)
+
+    async def submit_session_shared(
+        self, ns: str, session: bytes, target: str | None = None, deadline_ms: int | None = None
+    ) -> tuple[int, int]:
+        """:meth:`submit_session` across nodes: the session as recorded last on any node (its
+        object in S3, unless this node's own record still waits to be written there), its
+        chain walked through S3 where this node lacks the ancestors."""
+        self.check_target(target)
+        entry = self.sessions.get(ns, session)
+        tail = entry.tail if entry is not None else None
+        if not self.shared.pending(ns, session):
+            obj = await self.shared.fetch(ns, session)
+            if obj is not None:
+                tail = obj.tail
+                self.sessions.record(ns, session, tail, obj.ttl_ms())  # local copy only
+        if tail is None:
+            return 0, 0
+        chain = await self.shared.chain(ns, tail)
         return self.submit(ns, chain, target, deadline_ms, session)
 
     # -- moving one chunk (scheduler workers) ----------------------------------------------------
@@ -202,4 +232,9 @@ class PrefetchPath:
             state.end_move(rec)
 
     def info(self) -> list[tuple[str, object]]:
-        return [*self.prefetch.info(), ("sessions", len(self.sessions))]
+        return [
+            *self.prefetch.info(),
+            ("sessions", len(self.sessions)),
+            ("sessions_shared_written", self.shared.written),
+            ("sessions_shared_fetched", self.shared.fetched),
+        ]

@@ -7,7 +7,8 @@ held in both the GPU and DRAM is served from DRAM. A hit in the GPU or a lower t
 straight into a fresh DRAM reservation when there is room (``get`` into the slot, checksum,
 commit; the other copy is kept) and otherwise into a new buffer. The record is pinned while its
 bytes are read, so a concurrent delete, replacement or eviction waits for the read instead of
-freeing the copy under it; a chunk deleted meanwhile is reported as a miss.
+freeing the copy under it; a chunk deleted meanwhile is reported as a miss. A chunk whose S3
+object another node replaced is looked up again and the new version served.
 
 KV.LEASE leases into the GPU (``TIER gpu``, the default when a GPU tier exists) through
 ``kvstore_gpu``; a chunk that cannot be brought there is leased from DRAM instead, so one
@@ -129,7 +130,10 @@ class ReadPath:
                 continue
             rec.touch()
             rec.hits += 1
-            return await self._read(rec)
+            payload = await self._read(rec)
+            if payload is None and self.remote is not None and self.remote.was_replaced(rec):
+                continue  # another node replaced the object: look it up again, adopt it
+            return payload
         return None
 
     async def _read(self, rec: ChunkRecord) -> Payload | None:

@@ -10,6 +10,13 @@ built from its object metadata (parent, tokens, size, checksum, codec) with resi
 ``{s3}``, so GET and LEASE load it through the ordinary read path (checksum verified, promoted
 into DRAM).
 
+The shared tier is untrusted input: the tier validates every object like a client write (see
+``tiers/s3_objects``); here an object whose parent link would close a loop in the index is
+refused too (``remote_invalid``). A record is never used to delete an object: when the bucket
+holds another version than the record says (another node replaced it, maybe with another size),
+the read path calls :meth:`RemotePath.replaced`, which drops the stale record so the next lookup
+adopts the new object. Records of chunks held only in S3 are bounded (``remote_records``).
+
 Failures never escape: a tier error or a lookup slower than ``timeout`` ends the lookup with
 what was found so far (a shorter match, i.e. misses), and is counted in the store's errors and
 the tier's ``errors`` counter; warnings are logged at most every few seconds.
@@ -20,17 +27,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstrata.store.index import ChunkRecord, record_from_meta
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.kvstore_state import StoreState
+from kvstrata.store.remote_records import RemoteRecords
 from kvstrata.tiers.base import TierError
 
 log = logging.getLogger("kvstrata.store.remote")
 
 _LOG_EVERY = 5.0  # seconds between two warnings about a failing shared tier
+_STALE_KEEP = 1024  # replaced records remembered for the reader that found them stale
 
 
 class RemotePath:
@@ -43,7 +53,24 @@ class RemotePath:
         self.found = 0  # chunks adopted into the index from the shared tier
         self.timeouts = 0
         self.errors = 0
+        self.invalid = 0  # objects refused here (a parent link that would close a loop)
+        self.replaced_count = 0  # records found stale: the bucket held a newer version
+        self._stale: OrderedDict[ChunkKey, ChunkRecord] = OrderedDict()
         self._logged = 0.0
+        self._trimming = False
+        remote = state.remote
+        limit = int(state.config.values.get("s3-max-remote-records", 0) or 0)
+        self.records = RemoteRecords(remote.name if remote is not None else "s3", limit)
+        #: called when a record gains residency in the shared tier (session objects wait on it)
+        self.on_shared: Callable[[ChunkRecord], None] | None = None
+        if remote is not None:
+            chained = state.index.on_change
+
+            def on_change(rec: ChunkRecord, tier: str) -> None:
+                chained(rec, tier)
+                self._residency(rec, tier)
+
+            state.index.on_change = on_change
 
     @property
     def enabled(self) -> bool:
@@ -128,11 +155,62 @@ class RemotePath:
             return rec if rec.tiers else None
         if state.key_busy(meta.key):
             return None  # a local writer or a copy being freed owns the key right now
+        if state.index.makes_cycle(meta.key, meta.parent):
+            self.invalid += 1  # KV.PUT refuses this link too (KVStore.check_link)
+            return None
         rec = record_from_meta(meta)
         rec.tiers = {remote.name}
         state.publish(rec)
         self.found += 1
+        self.trim()
         return rec
+
+    def replaced(self, rec: ChunkRecord, meta: ChunkMeta) -> None:
+        """The shared tier holds another version of ``rec``'s chunk (``meta``): the record's
+        residency there was stale (the caller dropped it). A record left in no tier is dropped
+        without touching any tier, so the next lookup adopts the object as it is now."""
+        self.replaced_count += 1
+        self.state.drop_if_gone(rec)
+        self._stale[rec.key] = rec
+        while len(self._stale) > _STALE_KEEP:
+            self._stale.popitem(last=False)
+        log.info("chunk %s/%s was replaced in the shared tier; adopting the new version",
+                 rec.key.namespace, rec.key.hex[:16])  # fmt: skip
+
+    def was_replaced(self, rec: ChunkRecord) -> bool:
+        """True (once) when ``rec`` was dropped by :meth:`replaced`: the reader looks again."""
+        if self._stale.get(rec.key) is rec:
+            del self._stale[rec.key]
+            return True
+        return False
+
+    # -- bounded records -------------------------------------------------------------------------
+
+    def _residency(self, rec: ChunkRecord, tier: str) -> None:
+        self.records.note(rec)
+        remote = self.state.remote
+        shared = remote is not None and tier == remote.name and tier in rec.tiers
+        if shared and rec.alive and self.on_shared is not None:
+            self.on_shared(rec)
+        if self.records.over() and not self._trimming:
+            self._trimming = True
+            try:
+                asyncio.get_running_loop().call_soon(self.trim)
+            except RuntimeError:  # no loop (synchronous use): trimmed on the next adoption
+                self._trimming = False
+
+    def trim(self) -> int:
+        """Forget least recently used records of chunks held only in S3 above the limit."""
+        self._trimming = False
+        if not self.records.over():
+            return 0
+        return self.records.trim(self.state.index.get, self._forget)
+
+    def _forget(self, rec: ChunkRecord) -> None:
+        remote = self.state.remote
+        assert remote is not None
+        self.state.index.drop_tier(rec, remote.name)  # the object stays in the bucket
+        self.state.drop_if_gone(rec)
 
     # -- failures --------------------------------------------------------------------------------
 
@@ -155,4 +233,9 @@ class RemotePath:
             ("remote_found", self.found),
             ("remote_timeouts", self.timeouts),
             ("remote_errors", self.errors),
+            ("remote_invalid", self.invalid),
+            ("remote_replaced", self.replaced_count),
+            ("remote_records", len(self.records)),
+            ("remote_records_max", self.records.limit),
+            ("remote_records_forgotten", self.records.forgotten),
         ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstrata.store.index import ChunkRecord
@@ -37,6 +38,7 @@ from kvstrata.tiers.base import (
     ChunkMissing,
     IntegrityError,
     MemoryTier,
+    ObjectChanged,
     Tier,
     TierError,
     TierFull,
@@ -44,6 +46,8 @@ from kvstrata.tiers.base import (
 from kvstrata.tiers.checksum import checksum
 
 log = logging.getLogger("kvstrata.store.placement")
+#: ``_write_lower``: a lower tier refused the victim itself; it is dropped, eviction goes on
+_REFUSED = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +65,14 @@ class Placement:
 
     def __init__(self, state: StoreState) -> None:
         self.state = state
-        self.heaps = {t.name: LruHeap(t.name) for t in state.tiers}
+        # no heap for the shared tier: it is unbounded and never evicted (and a node may hold
+        # a million records of chunks only there: s3-max-remote-records)
+        self.heaps = {t.name: LruHeap(t.name) for t in state.tiers if not is_shared(t)}
         self._kick = asyncio.Event()
         state.index.on_change = self.changed
+        #: told when a shared tier holds a newer version of a chunk than the record (the
+        #: store's RemotePath adopts it)
+        self.on_replaced: Callable[[ChunkRecord, ChunkMeta], None] = lambda rec, meta: None
 
     # -- policy -------------------------------------------------------------------------------
 
@@ -107,7 +116,9 @@ class Placement:
 
     def pick(self, i: int, need: int) -> list[ChunkRecord]:
         """Pop LRU leaf candidates of tier ``i`` adding up to at least ``need`` bytes."""
-        heap = self.heaps[self.state.tiers[i].name]
+        heap = self.heaps.get(self.state.tiers[i].name)
+        if heap is None:
+            return []
         victims: list[ChunkRecord] = []
         skipped: list[ChunkRecord] = []
         got = 0
@@ -245,25 +256,30 @@ class Placement:
         return rec.alive and (held or not local)
 
     async def _write_lower(self, rec: ChunkRecord, i: int) -> str | None:
+        """Write ``rec`` to the first tier below ``i`` that takes it: that tier's name; None
+        when none could; :data:`_REFUSED` when a tier refused the chunk itself (a ValueError:
+        metadata its format cannot hold), so keeping the victim would only stall eviction."""
         state = self.state
         src = state.tiers[i]
         data = await self.read_copy(rec, src)
         if data is None:
             return None
         meta = rec.meta()
+        refused = False
         for j in range(i + 1, len(state.tiers)):
             dst = state.tiers[j]
             if dst.name in rec.tiers:
                 continue
             try:
                 await self.put_with_room(j, meta, data)
-            except TierError as exc:
+            except (TierError, ValueError) as exc:
                 state.tier_error(dst.name, f"write-back of {rec.key.hex[:16]}", exc)
+                refused = refused or isinstance(exc, ValueError)
                 continue
             state.index.add_tier(rec, dst.name)
             state.counters[dst.name].bytes_in += rec.size
             return dst.name
-        return None
+        return _REFUSED if refused else None
 
     async def read_copy(self, rec: ChunkRecord, src: Tier) -> Buffer | None:
         """The bytes of ``rec`` in ``src`` (a view for host memory tiers, else a fresh buffer,
@@ -273,15 +289,40 @@ class Placement:
         buf = bytearray(rec.size)
         try:
             meta = await src.get(rec.key, memoryview(buf))
-            if meta.checksum != rec.checksum or checksum(buf) != rec.checksum:
-                raise IntegrityError(f"{src.name}: checksum mismatch for {rec.key.hex}")
+            self._check_copy(rec, src, meta, buf)
         except TierError as exc:
-            self.state.tier_error(src.name, f"read of {rec.key.hex[:16]}", exc)
-            if isinstance(exc, IntegrityError | ChunkMissing):
-                await self.state.delete_copy(rec, src.name)
+            await self._bad_copy(rec, src, exc)
             return None
         self.state.counters[src.name].bytes_out += rec.size
         return buf
+
+    @staticmethod
+    def _check_copy(rec: ChunkRecord, src: Tier, meta: ChunkMeta, data: Buffer) -> None:
+        """Raise when the copy read from ``src`` is not the record's chunk. A shared tier has
+        checked the object against its own metadata already; an object that differs from the
+        record is another node's newer version (ObjectChanged), not a corrupt one."""
+        if is_shared(src) and (meta.checksum != rec.checksum or meta.size != rec.size):
+            raise ObjectChanged(meta)
+        if meta.checksum != rec.checksum or checksum(data) != rec.checksum:
+            raise IntegrityError(f"{src.name}: checksum mismatch for {rec.key.hex}")
+
+    async def _bad_copy(self, rec: ChunkRecord, src: Tier, exc: TierError) -> None:
+        """The copy of ``rec`` in ``src`` is bad, gone or replaced: drop it. An object in a
+        shared tier is never deleted on the strength of this node's record (the tier deletes
+        only objects whose bytes disagree with their own metadata): the residency is dropped
+        and a newer version is handed to :attr:`on_replaced`."""
+        state = self.state
+        if isinstance(exc, ObjectChanged):
+            state.index.drop_tier(rec, src.name)
+            self.on_replaced(rec, exc.meta)
+            return
+        state.tier_error(src.name, f"read of {rec.key.hex[:16]}", exc)
+        if not isinstance(exc, IntegrityError | ChunkMissing):
+            return
+        if is_shared(src):
+            state.index.drop_tier(rec, src.name)
+        else:
+            await state.delete_copy(rec, src.name)
 
     async def reserve_dram(
         self, key: ChunkKey, nbytes: int, make_room: bool = True
@@ -319,16 +360,14 @@ class Placement:
         committed = False
         try:
             meta = await src.get(key, view)
-            if meta.checksum != rec.checksum or checksum(view) != rec.checksum:
-                raise IntegrityError(f"{src.name}: checksum mismatch for {key.hex}")
+            self._check_copy(rec, src, meta, view)
             if not rec.alive:
                 return None
             dram.commit(rec.meta())
             committed = True
         except TierError as exc:
-            state.tier_error(src.name, f"read of {key.hex[:16]}", exc)
-            if isinstance(exc, IntegrityError | ChunkMissing):
-                await state.delete_copy(rec, src.name)
+            await self._bad_copy(rec, src, exc)
+            if isinstance(exc, IntegrityError | ChunkMissing | ObjectChanged):
                 state.drop_if_gone(rec)
             return None
         finally:

@@ -5,8 +5,9 @@ for the session (``KV.PREFETCH ns SESSION id``) then promotes that tail's whole 
 and its ancestors, found through the parent links of the index) toward a fast tier before the
 next turn arrives.
 
-The table is per node (it is not stored in S3), bounded (least recently recorded sessions are
-forgotten first) and every entry expires after its TTL. Synchronous bookkeeping, no I/O.
+The table is per node (``shared_sessions`` also writes each session to S3 for other nodes),
+bounded (least recently recorded sessions are forgotten first) and every entry expires after
+its TTL. Synchronous bookkeeping, no I/O.
 """
 
 from __future__ import annotations

@@ -58,6 +58,16 @@ class TierUnavailable(TierError):
     """The tier cannot be built on this machine (e.g. no CUDA); the message says why."""
 
 
+class ObjectChanged(TierError):
+    """A shared tier holds another version of the chunk than the reader expected (another node
+    replaced it): ``meta`` is that version's metadata, valid by its own account. The reader
+    adopts it; nothing is deleted."""
+
+    def __init__(self, meta: ChunkMeta, message: str = "") -> None:
+        super().__init__(message or f"chunk {meta.key.hex} was replaced")
+        self.meta = meta
+
+
 @dataclass(slots=True)
 class TierStats:
     """Counters every tier keeps; INFO tiers and KV.STATS print them."""

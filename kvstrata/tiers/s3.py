@@ -1,8 +1,14 @@
 """The S3 tier: one object per chunk in any S3-compatible store (AWS S3, MinIO, Ceph) via boto3.
 
-Every boto3 call runs on a bounded executor of ``max_connections`` threads. Reads land in the
-caller's buffer (``readinto`` in steps, short reads checked) and are verified against the
-stored checksum: a mismatch deletes the object and raises :class:`IntegrityError`. Failures
+Every boto3 call runs on a bounded executor of ``max_connections`` threads (the requests are in
+:mod:`kvstrata.tiers.s3_requests`). Reads land in the caller's buffer (``readinto`` in steps,
+short reads checked). The bucket is untrusted: every object is judged by its own metadata,
+validated like a client's KV.PUT, and with ``auth_key`` (``s3-auth-key``) by its keyed tags
+(:mod:`kvstrata.tiers.s3_auth`). An object that fails is a miss, counted (``invalid_objects``,
+``auth_failures``) and left in the bucket; only an object whose bytes disagree with its own
+metadata is deleted (that version only, ``IfMatch`` on its ETag) and raises
+:class:`IntegrityError`. A valid object of another size than expected (another node replaced
+it) raises :class:`ObjectChanged` carrying its metadata. Failures
 (endpoint down, timeouts, 5xx after botocore's retries) raise :class:`TierIOError`, bounded by
 ``timeout`` per attempt and ``retries``; a failure of the endpoint opens a short circuit breaker.
 
@@ -14,12 +20,10 @@ consistency and failures.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
@@ -27,82 +31,49 @@ from kvstrata.tiers.base import (
     Buffer,
     ChunkMissing,
     IntegrityError,
+    ObjectChanged,
     Tier,
     TierError,
     TierIOError,
     TierUnavailable,
     register_tier,
 )
-from kvstrata.tiers.checksum import checksum
+from kvstrata.tiers.s3_auth import ObjectAuth
+from kvstrata.tiers.s3_config import S3Config, connect
 from kvstrata.tiers.s3_failures import Breaker, NegativeCache, translate_error
 from kvstrata.tiers.s3_objects import (  # these and NegativeCache: tests import them from here
     FORMAT_VERSION,
+    AuthFailure,
     CorruptObject,
+    InvalidObject,
+    SessionObject,
     decode_metadata,
     encode_metadata,
     object_name,
     parse_object_name,
+    session_name,
 )
+from kvstrata.tiers.s3_requests import Head, S3Requests
 
 try:
-    import boto3
     from boto3.exceptions import Boto3Error
-    from boto3.s3.transfer import TransferConfig
-    from botocore.config import Config as BotoConfig
     from botocore.exceptions import BotoCoreError, ClientError
 except ImportError:  # pragma: no cover - boto3 is the optional [s3] extra
     HAVE_BOTO3 = False
 else:
     HAVE_BOTO3 = True
 
+__all__ = [
+    "FORMAT_VERSION", "CorruptObject", "NegativeCache", "S3Config", "S3Tier", "decode_metadata",
+    "encode_metadata", "object_name", "parse_object_name",
+]  # fmt: skip
 log = logging.getLogger(__name__)
+#: counters of ``stats.extra`` shown by info() (INFO tiers: ``s3_invalid_objects``…)
+_SHOWN = ("invalid_objects", "auth_failures", "kept_objects", "sessions_written", "sessions_read")
 _UNUSABLE_BUCKET = frozenset({"404", "NoSuchBucket", "403", "AccessDenied", "Forbidden"})
 T = TypeVar("T")
 
-MiB = 1024 * 1024
-_READ_STEP = 1 * MiB  # urllib3 copies each readinto through a temporary of this size
-_MIN_PART = 5 * MiB  # S3's smallest multipart part (except the last)
-
-
-@dataclass(frozen=True, slots=True)
-class S3Config:
-    """Settings of the S3 tier (``s3-*`` options plus tuning knobs with defaults)."""
-
-    bucket: str
-    endpoint: str = ""  # empty: AWS, resolved by boto3 from the region
-    region: str = "us-east-1"
-    prefix: str = "kvstrata"
-    max_connections: int = 16
-    timeout: float = 10.0  # connect and read timeout of one attempt, seconds
-    retries: int = 2  # attempts after the first (botocore standard retry mode)
-    multipart_threshold: int = 64 * MiB
-    multipart_chunksize: int = 16 * MiB
-    write_policy: str = "write-back"  # kept for INFO; the store applies it
-    negative_ttl: float = 1.5  # seconds a miss is remembered (0 disables)
-    retry_after: float = 1.0  # seconds the breaker fails fast after an endpoint failure
-
-    def __post_init__(self) -> None:
-        if not self.bucket:
-            raise TierUnavailable("s3 tier needs a bucket (s3-bucket)")
-        if self.max_connections < 1 or self.timeout <= 0 or self.retries < 0:
-            raise TierUnavailable("s3: max_connections ≥ 1, timeout > 0, retries ≥ 0")
-        if self.multipart_chunksize < _MIN_PART:
-            raise TierUnavailable(f"s3: multipart_chunksize must be ≥ {_MIN_PART} bytes")
-
-    @classmethod
-    def from_config(cls, cfg: Any, **overrides: Any) -> S3Config:
-        """Build from a :class:`kvstrata.config.Config` (keys ``s3-*``)."""
-        values: dict[str, Any] = {
-            "bucket": cfg.get("s3-bucket"),
-            "endpoint": cfg.get("s3-endpoint"),
-            "region": cfg.get("s3-region"),
-            "prefix": cfg.get("s3-prefix"),
-            "write_policy": cfg.get("s3-write-policy"),
-            "max_connections": cfg.get("s3-max-connections"),
-            "timeout": float(cfg.get("s3-timeout")),
-        }
-        values.update(overrides)
-        return cls(**values)
+_LOG_EVERY = 5.0  # seconds between two warnings about rejected objects
 
 
 class S3Tier(Tier):
@@ -121,32 +92,21 @@ class S3Tier(Tier):
         self.prefix = config.prefix.strip("/")
         self._pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix="kvstrata-s3")
         self._concurrency = min(4, config.max_connections)  # parts of one multipart upload
-        boto_config = BotoConfig(
-            region_name=config.region,
-            max_pool_connections=config.max_connections + self._concurrency,
-            connect_timeout=config.timeout,
-            read_timeout=config.timeout,
-            retries={"mode": "standard", "total_max_attempts": config.retries + 1},
-            # Our own xxh3 checksum covers the bytes; CRC trailers break older S3 clones.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            s3={"addressing_style": "path"} if config.endpoint else None,
-        )
-        # Credentials come from boto3's standard chain (env, files, IMDS); never logged.
-        self._client = boto3.session.Session().client(
-            "s3", endpoint_url=config.endpoint or None, config=boto_config
-        )
-        self._transfer = TransferConfig(
-            multipart_threshold=config.multipart_threshold,
-            multipart_chunksize=config.multipart_chunksize,
-            max_concurrency=self._concurrency,
+        self._client, transfer = connect(config, self._concurrency)
+        auth = ObjectAuth(config.auth_key) if config.auth_key else None
+        self._req = S3Requests(
+            self._client, config.bucket, transfer, config.multipart_threshold, auth
         )
         self._negative = NegativeCache(config.negative_ttl)
         self._breaker = Breaker(config.retry_after)
         self._sizes: dict[ChunkKey, int] = {}  # objects we know of: put, read or scanned
         self._used = 0
         self._closed = False
-        self.stats.extra.update(negative_hits=0, multipart_puts=0)
+        self._logged = 0.0
+        self.stats.extra.update(
+            negative_hits=0, multipart_puts=0, invalid_objects=0, auth_failures=0,
+            kept_objects=0, sessions_written=0, sessions_read=0,
+        )  # fmt: skip
         self._check_bucket()
 
     def _check_bucket(self) -> None:
@@ -191,7 +151,7 @@ class S3Tier(Tier):
         if nbytes >= self.config.multipart_threshold:
             self.stats.extra["multipart_puts"] += 1
         try:
-            await self._call("put", self._put_blocking, name, data, encode_metadata(meta))
+            await self._call("put", self._req.put, name, meta, data)
         finally:
             self._negative.wrote(meta.key)  # a HEAD that raced the upload must not cache a miss
         self.stats.seconds_in += time.perf_counter() - started
@@ -205,38 +165,43 @@ class S3Tier(Tier):
             self.stats.misses += 1
             raise ChunkMissing(key)
         since, started = self._negative.seq(), time.perf_counter()
+        name = object_name(self.prefix, key)
         try:
-            md, length, digest = await self._call(
-                "get", self._get_blocking, object_name(self.prefix, key), out
-            )
+            head: Head = await self._call("get", self._req.get, key, name, out)
         except ChunkMissing:
             self._missed(key, since)
             raise
-        try:
-            meta = decode_metadata(key, md, length)
-            if meta is not None and digest != meta.checksum:
-                raise CorruptObject(f"checksum {digest.hex()} != stored {meta.checksum.hex()}")
+        except (InvalidObject, AuthFailure) as exc:
+            self._rejected(key, since, exc)
+            raise ChunkMissing(key) from None
         except CorruptObject as exc:
-            await self._quarantine(key, str(exc))
-            raise IntegrityError(f"s3 chunk {key.namespace}/{key.hex}: {exc}") from None
+            await self._quarantine(key, name, exc)
+            raise IntegrityError(f"s3 chunk {key.namespace}/{key.hex}: {exc.args[0]}") from None
+        except ObjectChanged as exc:
+            self._remember(key, exc.meta.size)
+            raise
+        meta = head.meta
         if meta is None:
             self._missed(key, since)
             raise ChunkMissing(key)
         self.stats.seconds_out += time.perf_counter() - started
         self.stats.hits += 1
-        self.stats.bytes_out += length
-        self._remember(key, length)
+        self.stats.bytes_out += meta.size
+        self._remember(key, meta.size)
         return meta
 
     async def delete(self, key: ChunkKey) -> bool:
+        """Delete the chunk's object if it is a valid one (that version only: an object that
+        another node wrote meanwhile, or one this node may not judge, stays)."""
         since = self._negative.seq()
-        try:
-            existed = await self._head(key) is not None
-        except CorruptObject:
-            existed = True
-        if existed:
-            await self._call("delete", self._client.delete_object, **self._loc(key))
-            self.stats.deletes += 1
+        head = await self._head(key)
+        existed = head is not None and head.meta is not None
+        if head is not None and existed:
+            name = object_name(self.prefix, key)
+            if await self._call("delete", self._req.delete_version, name, head.etag):
+                self.stats.deletes += 1
+            else:
+                self.stats.extra["kept_objects"] += 1
         self._forget(key)
         self._negative.miss(key, since)
         return existed
@@ -249,16 +214,35 @@ class S3Tier(Tier):
             self.stats.extra["negative_hits"] += 1
             return None
         since = self._negative.seq()
-        try:
-            meta = await self._head(key)
-        except CorruptObject as exc:
-            await self._quarantine(key, str(exc))
-            return None
+        head = await self._head(key)
+        meta = None if head is None else head.meta
         if meta is None:
             self._missed(key, since)
         else:
             self._remember(key, meta.size)
         return meta
+
+    async def put_session(self, obj: SessionObject) -> None:
+        """Record a session (``KV.SESSION``) for every node: a small object beside the chunks."""
+        name = session_name(self.prefix, obj.namespace, obj.id)
+        await self._call("put", self._req.put_session, name, obj)
+        self.stats.extra["sessions_written"] += 1
+
+    async def get_session(self, ns: str, session: bytes) -> SessionObject | None:
+        """The session another node recorded; None when absent, expired, invalid or not
+        authentic (the last two counted). Raises TierError when S3 fails."""
+        name = session_name(self.prefix, ns, session)
+        try:
+            obj: SessionObject = await self._call("get", self._req.get_session, name, ns, session)
+        except ChunkMissing:
+            return None
+        except (InvalidObject, AuthFailure) as exc:
+            self._count_rejected(name, exc)
+            return None
+        if obj.ttl_ms() <= 0:
+            return None
+        self.stats.extra["sessions_read"] += 1
+        return obj
 
     async def contains_many(self, keys: Iterable[ChunkKey]) -> list[bool]:
         """Presence of each key, at most ``max_connections`` HEADs in flight for this call."""
@@ -274,7 +258,7 @@ class S3Tier(Tier):
         """(key, size) of every object under the prefix, from listings only (no HEADs)."""
         token: str | None = None
         while True:
-            page, token = await self._call("list", self._list_blocking, token)
+            page, token = await self._call("list", self._req.list_page, self.prefix, token)
             for name, size in page:
                 key = parse_object_name(self.prefix, name)
                 if key is not None:
@@ -312,6 +296,8 @@ class S3Tier(Tier):
             "breaker_trips": self._breaker.trips,
             "breaker_rejections": self._breaker.rejected,
             "format_version": FORMAT_VERSION,
+            "auth": "on" if self._req.auth is not None else "off",
+            **{k: self.stats.extra[k] for k in _SHOWN},
         }
 
     async def close(self) -> None:
@@ -351,65 +337,49 @@ class S3Tier(Tier):
                 break
         return found
 
-    def _loc(self, key: ChunkKey) -> dict[str, str]:
-        return {"Bucket": self.config.bucket, "Key": object_name(self.prefix, key)}
-
-    async def _head(self, key: ChunkKey) -> ChunkMeta | None:
-        """HEAD → metadata, None when absent or of another format; raises CorruptObject."""
+    async def _head(self, key: ChunkKey) -> Head | None:
+        """HEAD → the object's judged metadata; None when absent or rejected (counted)."""
         try:
-            resp = await self._call("head", self._client.head_object, **self._loc(key))
+            head: Head = await self._call(
+                "head", self._req.head, key, object_name(self.prefix, key)
+            )
         except ChunkMissing:
             return None
-        return decode_metadata(key, resp.get("Metadata", {}), int(resp["ContentLength"]))
+        except (InvalidObject, AuthFailure) as exc:
+            self._count_rejected(object_name(self.prefix, key), exc)  # the caller: a miss
+            return None
+        return head
 
-    def _put_blocking(self, name: str, data: Buffer, metadata: dict[str, str]) -> None:
-        bucket = self.config.bucket
-        if memoryview(data).nbytes >= self.config.multipart_threshold:
-            self._client.upload_fileobj(
-                io.BytesIO(data), bucket, name, ExtraArgs={"Metadata": metadata},
-                Config=self._transfer,
-            )  # fmt: skip
-        else:
-            body = data if isinstance(data, bytes | bytearray) else bytes(data)  # boto3: no views
-            self._client.put_object(Bucket=bucket, Key=name, Body=body, Metadata=metadata)
-
-    def _get_blocking(self, name: str, out: memoryview) -> tuple[Mapping[str, str], int, bytes]:
-        resp = self._client.get_object(Bucket=self.config.bucket, Key=name)
-        body = resp["Body"]
-        try:
-            length = int(resp["ContentLength"])
-            dst = memoryview(out).cast("B")
-            if dst.nbytes < length:
-                raise ValueError(f"buffer of {dst.nbytes} bytes for a {length}-byte chunk")
-            filled = 0
-            while filled < length:
-                n = body.readinto(dst[filled : min(length, filled + _READ_STEP)])
-                if not n:
-                    raise TierIOError(f"s3 get {name}: short read, {filled} of {length} bytes")
-                filled += n
-            return resp.get("Metadata", {}), length, checksum(dst[:length])
-        finally:
-            body.close()
-
-    def _list_blocking(self, token: str | None) -> tuple[list[tuple[str, int]], str | None]:
-        args = {"Bucket": self.config.bucket, "Prefix": f"{self.prefix}/" if self.prefix else ""}
-        if token:
-            args["ContinuationToken"] = token
-        resp = self._client.list_objects_v2(**args)
-        page = [(o["Key"], int(o["Size"])) for o in resp.get("Contents", [])]
-        return page, resp.get("NextContinuationToken") if resp.get("IsTruncated") else None
-
-    async def _quarantine(self, key: ChunkKey, why: str) -> None:
-        """Drop a corrupt object (best effort) and count it."""
+    async def _quarantine(self, key: ChunkKey, name: str, exc: CorruptObject) -> None:
+        """Delete an object whose bytes disagree with its own metadata: the version that was
+        read, not one written since (best effort; counted)."""
         self.stats.integrity_errors += 1
-        log.warning("s3: chunk %s/%s is corrupt (%s); deleting it", key.namespace, key.hex, why)
+        log.warning("s3: chunk %s/%s is corrupt (%s); deleting it", key.namespace, key.hex,
+                    exc.args[0])  # fmt: skip
         since = self._negative.seq()
+        etag = str(exc.args[1]) if len(exc.args) > 1 else ""
         try:
-            await self._call("delete", self._client.delete_object, **self._loc(key))
-        except TierError as exc:
-            log.warning("s3: could not delete corrupt chunk %s: %s", key.hex, exc)
+            if not await self._call("delete", self._req.delete_version, name, etag):
+                self.stats.extra["kept_objects"] += 1  # replaced meanwhile: not ours to drop
+        except TierError as err:
+            log.warning("s3: could not delete corrupt chunk %s: %s", key.hex, err)
         self._forget(key)
         self._negative.miss(key, since)
+
+    def _rejected(self, key: ChunkKey, since: int, exc: Exception) -> None:
+        """An object this node may not use (invalid or not authentic): a miss, left alone."""
+        self._count_rejected(object_name(self.prefix, key), exc)
+        self._missed(key, since)
+
+    def _count_rejected(self, name: str, exc: Exception) -> None:
+        auth = isinstance(exc, AuthFailure)
+        self.stats.extra["auth_failures" if auth else "invalid_objects"] += 1
+        now = time.monotonic()
+        if now - self._logged >= _LOG_EVERY:
+            self._logged = now
+            what = "fails authentication" if auth else "is not a valid kvstrata object"
+            log.warning("s3: object %s %s (%s); treated as a miss, left in the bucket",
+                        name, what, exc)  # fmt: skip
 
     def _missed(self, key: ChunkKey, since: int) -> None:
         self.stats.misses += 1

@@ -9,16 +9,29 @@ and leaves the object alone. No I/O here: :mod:`kvstrata.tiers.s3` does the requ
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
 from kvstrata.protocol.errors import CommandError
-from kvstrata.store.keys import ChunkKey, ChunkMeta, validate_namespace
+from kvstrata.store.keys import (
+    ChunkKey,
+    ChunkMeta,
+    validate_hash,
+    validate_meta,
+    validate_namespace,
+)
 from kvstrata.tiers.checksum import CHECKSUM_BYTES
+from kvstrata.tiers.s3_auth import TAG_BYTES, ObjectAuth
 
 FORMAT_VERSION = "1"
 _M_VERSION, _M_PARENT, _M_TOKENS = "kvs-version", "kvs-parent", "kvs-tokens"
 _M_CODEC, _M_CHECKSUM, _M_SIZE = "kvs-codec", "kvs-checksum", "kvs-size"
+_M_TAG, _M_META_TAG, _M_KIND = "kvs-tag", "kvs-meta-tag", "kvs-kind"
+SESSIONS = "sessions"
+MAX_SESSION_BODY = 4096
 
 
 def _escape_namespace(ns: str) -> str:
@@ -49,8 +62,11 @@ def parse_object_name(prefix: str, name: str) -> ChunkKey | None:
     return key if 1 <= len(key.hash) <= 64 and object_name(prefix, key) == name else None
 
 
-def encode_metadata(meta: ChunkMeta) -> dict[str, str]:
-    return {
+def encode_metadata(
+    meta: ChunkMeta, tag: bytes | None = None, auth: ObjectAuth | None = None
+) -> dict[str, str]:
+    """User metadata of a chunk object; with ``auth``, ``tag`` is its payload tag."""
+    md = {
         _M_VERSION: FORMAT_VERSION,
         _M_PARENT: meta.parent.hex(),
         _M_TOKENS: str(meta.tokens),
@@ -58,25 +74,114 @@ def encode_metadata(meta: ChunkMeta) -> dict[str, str]:
         _M_CHECKSUM: meta.checksum.hex(),
         _M_SIZE: str(meta.size),
     }
+    if auth is not None and tag is not None:
+        md[_M_TAG] = tag.hex()
+        md[_M_META_TAG] = auth.meta_tag(FORMAT_VERSION, meta, tag).hex()
+    return md
 
 
 class CorruptObject(Exception):
-    """An object under our names whose metadata or bytes are not what we wrote."""
+    """An object whose own bytes disagree with its own metadata (it may be deleted: that
+    version only)."""
+
+
+class InvalidObject(Exception):
+    """An object under our names whose metadata a client write could not have produced (no
+    metadata, malformed fields, a parent equal to its hash…): a miss, left in the bucket."""
+
+
+class AuthFailure(Exception):
+    """An object without valid tags under ``s3-auth-key``: a miss, left in the bucket."""
 
 
 def decode_metadata(key: ChunkKey, md: Mapping[str, str], length: int) -> ChunkMeta | None:
-    """ChunkMeta from user metadata; None for another format version; raises CorruptObject."""
+    """ChunkMeta from user metadata; None for another format version; raises InvalidObject."""
     version = md.get(_M_VERSION)
     if version is None:
-        raise CorruptObject("no kvstrata metadata")
+        raise InvalidObject("no kvstrata metadata")
     if version != FORMAT_VERSION:
         return None
     try:
         size, tokens = int(md[_M_SIZE]), int(md[_M_TOKENS])
         parent, digest = bytes.fromhex(md[_M_PARENT]), bytes.fromhex(md[_M_CHECKSUM])
-        codec = unquote(md[_M_CODEC])
+        codec = unquote(md[_M_CODEC], errors="strict")
     except (KeyError, ValueError) as exc:
-        raise CorruptObject(f"bad metadata: {exc!r}") from None
-    if size != length or tokens < 0 or len(digest) != CHECKSUM_BYTES:
-        raise CorruptObject(f"metadata says {size} bytes, object has {length}")
-    return ChunkMeta(key, parent, tokens, size, digest, codec)
+        raise InvalidObject(f"bad metadata: {exc!r}") from None
+    if len(digest) != CHECKSUM_BYTES:
+        raise InvalidObject(f"checksum of {len(digest)} bytes")
+    if size != length:
+        raise InvalidObject(f"metadata says {size} bytes, object has {length}")
+    try:
+        return validate_meta(ChunkMeta(key, parent, tokens, size, digest, codec))
+    except CommandError as exc:
+        raise InvalidObject(str(exc)) from None
+
+
+def payload_tag(md: Mapping[str, str], meta: ChunkMeta, auth: ObjectAuth) -> bytes:
+    """The object's payload tag once its metadata tag verified; raises AuthFailure."""
+    try:
+        tag, meta_tag = bytes.fromhex(md[_M_TAG]), bytes.fromhex(md[_M_META_TAG])
+    except (KeyError, ValueError):
+        raise AuthFailure("no valid tags") from None
+    if len(tag) != TAG_BYTES or not auth.same(meta_tag, auth.meta_tag(FORMAT_VERSION, meta, tag)):
+        raise AuthFailure("metadata tag does not verify")
+    return tag
+
+
+# -- sessions ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SessionObject:
+    """Where a session's conversation ends (``KV.SESSION``), as other nodes read it."""
+
+    namespace: str
+    id: bytes
+    tail: bytes
+    expires_ms: int  # wall clock (Unix ms): nodes do not share a monotonic clock
+
+    def ttl_ms(self, now_ms: int | None = None) -> int:
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        return self.expires_ms - now
+
+
+def session_name(prefix: str, ns: str, session: bytes) -> str:
+    tail = f"{_escape_namespace(ns)}/{SESSIONS}/{session.hex()}"
+    prefix = prefix.strip("/")
+    return f"{prefix}/{tail}" if prefix else tail
+
+
+def encode_session(obj: SessionObject) -> bytes:
+    return json.dumps({
+        "format": int(FORMAT_VERSION), "namespace": obj.namespace, "session": obj.id.hex(),
+        "tail": obj.tail.hex(), "expires_ms": obj.expires_ms,
+    }, separators=(",", ":")).encode()  # fmt: skip
+
+
+def decode_session(ns: str, session: bytes, body: bytes) -> SessionObject:
+    """The session object, checked like a KV.SESSION; raises InvalidObject."""
+    try:
+        doc = json.loads(body)
+        fmt, obj_ns, sid = doc["format"], doc["namespace"], bytes.fromhex(doc["session"])
+        tail, expires = validate_hash(bytes.fromhex(doc["tail"])), doc["expires_ms"]
+    except (ValueError, KeyError, TypeError, RecursionError, CommandError) as exc:
+        raise InvalidObject(f"bad session object: {type(exc).__name__}") from None
+    if fmt != int(FORMAT_VERSION) or obj_ns != ns or sid != session or type(expires) is not int:
+        raise InvalidObject("session object of another format, session or namespace")
+    return SessionObject(ns, session, tail, expires)
+
+
+def session_metadata(tag: bytes | None) -> dict[str, str]:
+    md = {_M_VERSION: FORMAT_VERSION, _M_KIND: "session"}
+    if tag is not None:
+        md[_M_TAG] = tag.hex()
+    return md
+
+
+def check_session_tag(md: Mapping[str, str], name: str, body: bytes, auth: ObjectAuth) -> None:
+    try:
+        tag = bytes.fromhex(md[_M_TAG])
+    except (KeyError, ValueError):
+        raise AuthFailure("no valid tag") from None
+    if not auth.same(tag, auth.session_tag(name, body)):
+        raise AuthFailure("session tag does not verify")

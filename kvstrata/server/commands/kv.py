@@ -16,7 +16,13 @@ from kvstrata.protocol.frames import BulkView
 from kvstrata.server.commands.connection import arg_bytes, parse_int
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
-from kvstrata.store.keys import MAX_HASH_BYTES, validate_hash, validate_namespace, validate_parent
+from kvstrata.store.keys import (
+    MAX_HASH_BYTES,
+    validate_hash,
+    validate_namespace,
+    validate_parent,
+    validate_tokens,
+)
 from kvstrata.store.kvstore import NOT_NOW
 
 NS = Arg("namespace", "string")
@@ -62,8 +68,8 @@ def parse_options(args: Args, start: int, spec: dict[bytes, Callable[[Any], Any]
     return out
 
 
-def _tokens(arg: Any) -> int:
-    return int_option(arg, "TOKENS", 0, 2**31 - 1)
+def tokens_option(arg: Any) -> int:
+    return validate_tokens(parse_int(arg, CommandError("invalid TOKENS: value is not an integer")))
 
 
 def _ttl(arg: Any) -> int:
@@ -101,7 +107,7 @@ def _put_sink(ctx: Any, args_so_far: list[Any], nbytes: int) -> Any:
 
 
 _PUT_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
-    b"TOKENS": _tokens,
+    b"TOKENS": tokens_option,
     b"TTL": _ttl,
     b"NX": None,
 }

@@ -27,6 +27,7 @@ from kvstrata.server.commands.kv import (
     int_option,
     parse_options,
     store_of,
+    tokens_option,
 )
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
@@ -126,7 +127,7 @@ async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
         args,
         5,
         {
-            b"TOKENS": lambda a: int_option(a, "TOKENS", 0, 2**31 - 1),
+            b"TOKENS": tokens_option,
             b"TTL": _lease_ttl,
             b"TIER": _tier,
         },

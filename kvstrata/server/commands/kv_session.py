@@ -9,6 +9,9 @@
 
 The target defaults to ``dram``; ``TO gpu`` promotes into the GPU tier (as ``KV.LEASE … TIER
 gpu`` does); ``TO nvme`` copies chunks held only in s3 to the local disk.
+With an S3 tier, KV.SESSION also records the session in the bucket, and ``KV.PREFETCH …
+SESSION`` finds sessions recorded on any node and walks the chain's ancestors through S3 (the
+reply then waits for those lookups, bounded by the remote lookup timeout).
 In the chain form a hash equal to ``TO`` or ``DEADLINE`` must not be second to last, and the
 first hash must not be ``SESSION`` or ``CANCEL`` when exactly one more argument follows.
 """
@@ -45,7 +48,8 @@ def _session_id(arg: Any) -> bytes:
     group="kv",
     summary="Records that a session's conversation currently ends at this chunk (its chain is "
     "what KV.PREFETCH ns SESSION promotes). TTL (ms, default one hour) bounds how long the "
-    "session is remembered.",
+    "session is remembered. With an S3 tier the session is also written to the bucket for "
+    "other nodes (at once with write-through, once the tail chunk reaches S3 with write-back).",
     arguments=(NS, SESSION, HASH, Arg("ttl", "integer", optional=True, token="TTL")),
     reply="Simple string OK.",
 )
@@ -87,7 +91,9 @@ def _trailing_options(args: Args, first: int) -> tuple[int, str | None, int | No
     summary="Queues the background promotion of a chain (or of a session's chain with "
     "SESSION) toward a fast tier (TO dram, the default, gpu, or nvme) and returns at once. "
     "DEADLINE (ms) marks the request late when it is not done in time; CANCEL id takes a "
-    "request out of the queue. INFO prefetch shows the queue.",
+    "request out of the queue. INFO prefetch shows the queue. With an S3 tier, SESSION finds "
+    "sessions recorded on any node and walks the chain's ancestors through S3 before it "
+    "answers.",
     complexity="O(N) hashes",
     arguments=(
         NS,
@@ -110,9 +116,19 @@ def kv_prefetch(ctx: Ctx, args: Args) -> Reply:
         end, target, deadline = _trailing_options(args, 3)
         if end != 4:
             raise syntax_error()
-        request_id, queued = store.prefetch_session(ns, _session_id(args[3]), target, deadline)
+        session = _session_id(args[3])
+        if store.shares_sessions:  # the session may be recorded on another node: ask S3
+            return _prefetch_shared(store, ns, session, target, deadline)
+        request_id, queued = store.prefetch_session(ns, session, target, deadline)
         return [request_id, queued]
     end, target, deadline = _trailing_options(args, 2)
     hashes = check_hashes(args[2:end])
     request_id, queued = store.prefetch_request(ns, hashes, target, deadline)
+    return [request_id, queued]
+
+
+async def _prefetch_shared(
+    store: Any, ns: str, session: bytes, target: str | None, deadline: int | None
+) -> Reply:
+    request_id, queued = await store.prefetch_session_shared(ns, session, target, deadline)
     return [request_id, queued]
