@@ -180,7 +180,7 @@ def handle_cupy(region: RegionInfo, handle: Handle, dtype: Any = np.uint8) -> An
     try:
         import cupy
     except ImportError:
-        raise CudaUnavailable("handle_cupy needs CuPy (pip install cupy-cuda12x)") from None
+        raise CudaUnavailable("handle_cupy needs CuPy (cupy-cuda13x or cupy-cuda12x)") from None
     _check_bounds(region, handle)
     dt = np.dtype(dtype)
     if handle.length % dt.itemsize:
