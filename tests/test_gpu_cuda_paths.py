@@ -639,6 +639,35 @@ def test_cancelled_copy_frees_its_slot_only_when_the_thread_ends() -> None:
     asyncio.run(body())
 
 
+def test_cancelled_read_keeps_a_deleted_chunks_slot_until_the_thread_ends() -> None:
+    tier = GpuTier(GpuConfig(capacity=4 * MiB), memory=HostMemory(4 * MiB))
+    started, finish = threading.Event(), threading.Event()
+    data = b"r" * MiB
+    meta = ChunkMeta(ChunkKey("gpu@cancel", b"\x03" * 16), b"", 0, MiB, checksum(data))
+
+    def slow_read(mem: Any, offset: int) -> None:
+        started.set()
+        assert finish.wait(10)
+
+    async def body() -> None:
+        await tier.put(meta, data)
+        task = asyncio.create_task(tier.read_with(meta.key, slow_read))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await tier.delete(meta.key)
+        assert tier.info()["used"] == MiB  # the reading thread still has the slot
+        finish.set()
+        deadline = time.monotonic() + 10
+        while tier.info()["used"]:
+            assert time.monotonic() < deadline, "the deferred free never ran"
+            await asyncio.sleep(0.005)
+        await tier.close()
+
+    asyncio.run(body())
+
+
 class StreamStuckRuntime:
     name = "fake"
 

@@ -161,7 +161,11 @@ class GpuTier(ArenaTier):
         self._check_open()
         offset = self._allocate(meta.size)
         started = time.perf_counter()
-        copy = self._submit(fill, self._mem, offset)
+        try:
+            copy = self._submit(fill, self._mem, offset)
+        except BaseException:  # the executor refused it (shut down): nothing runs on the slot
+            self._free(offset)
+            raise
         try:
             await self._wait(copy)
         except BaseException:  # also a cancellation while the thread still writes the slot
@@ -206,9 +210,10 @@ class GpuTier(ArenaTier):
         self.stats.bytes_out += n
 
     async def _read_slot(self, slot: Slot, use: Callable[[DeviceMemory, int], T]) -> None:
-        self._readers[slot.offset] = self._readers.get(slot.offset, 0) + 1
         started = time.perf_counter()
         copy = self._submit(use, self._mem, slot.offset)
+        # counted on the loop thread right after the submit: no free can run in between
+        self._readers[slot.offset] = self._readers.get(slot.offset, 0) + 1
         try:
             await self._wait(copy)
         finally:  # a cancelled read still holds the slot until its thread has let go
