@@ -8,7 +8,14 @@ slot of the :class:`~kvstrata.tiers.gpu.GpuTier`:
   Storage where the driver and filesystem allow it, kvikio's compatibility mode (POSIX reads
   through its own pinned bounce buffers) otherwise; :func:`kvikio_mode` says which;
 - without kvikio (or over the host stand-in of the CPU tests) the file is read with ``preadv``
-  into a host buffer and copied to the slot.
+  into a host buffer and copied to the slot; so it is when kvikio's import fails (a broken
+  install raises ImportError or OSError) or kvikio fails on a file that is intact
+  (:class:`KvikioUnusable`).
+
+kvikio raises one ``RuntimeError`` for a short read, a vanished file and a cuFile failure, so
+the file's size is checked before the read and an error is explained after it: a file that is
+gone is :class:`ChunkMissing`, one too short is :class:`IntegrityError` (the store then drops
+it from the NVMe tier), anything else falls back to the POSIX read.
 
 Integrity: the header is checked (magic, header checksum, the key it names, the size) before
 the payload is read, and the payload's xxh3-128 is verified before the slot is published. On
