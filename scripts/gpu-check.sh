@@ -87,7 +87,7 @@ machine() {
 import importlib
 from kvstrata.cudart import mapped_cudart
 from kvstrata.tiers.gpu_select import gpu_available
-for mod in ("torch", "cupy", "kvikio"):
+for mod in ("torch", "cupy", "kvikio", "numpy", "xxhash", "uvloop", "transformers"):
     try:
         m = importlib.import_module(mod)
         extra = f" (CUDA {m.version.cuda})" if mod == "torch" else ""
