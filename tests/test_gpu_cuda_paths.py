@@ -176,6 +176,31 @@ def test_async_lease_ends_wait_for_the_stream_captured_on_the_callers_thread(ipc
     ]
 
 
+class BrokenStream:
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_failing_fence_still_ends_the_lease_but_never_commits(
+    ipc: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a CUDA error the device runs nothing more of ours: release and abort still reach
+    the server (else the slots stay pinned until the TTL); commit aborts instead and raises,
+    because the slot's bytes are not known to be complete."""
+    _, log = ipc
+    monkeypatch.setattr(cuda_ipc, "_torch_streams", lambda ds: [BrokenStream()])
+    region = cuda_region()
+    handles._open_cuda(region)
+    regions = {region.name: region}
+    client = RecordingClient(log)
+    Lease(client, "ns", [b"h"], LeaseGrant(b"r", (Handle("gpu0", 0, 64),)), regions).release()  # type: ignore[arg-type]
+    wl = WriteLease(client, "ns", b"h", ReserveGrant(b"w", Handle("gpu0", 0, 64)), regions)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        wl.commit()
+    assert wl.done
+    assert [e for e in log if e[0] != "open"] == [("release", b"r"), ("abort", b"w")]
+
+
 def test_shm_leases_and_unmapped_cuda_regions_need_no_fence(ipc: Any) -> None:
     _, log = ipc
     shm = RegionInfo("dram0", "shm", 1 << 20, "nothing")

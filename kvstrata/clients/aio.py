@@ -23,7 +23,7 @@ from kvstrata.clients.aioconn import AsyncConnectionPool
 from kvstrata.clients.commands import Call, HashLike
 from kvstrata.clients.connection import ConnectionSettings
 from kvstrata.clients.handles import lease_tier
-from kvstrata.clients.leases import Fence, LeaseBase, WriteLeaseBase
+from kvstrata.clients.leases import Fence, LeaseBase, WriteLeaseBase, run_fence
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.results import RegionInfo
 from kvstrata.clients.sync import settings_from_url
@@ -46,10 +46,10 @@ def _command(
     return cmd.method_like(build, method)
 
 
-async def _wait(fence: Fence | None) -> None:
+async def _wait(fence: Fence | None, strict: bool = False) -> None:
     """Wait off the event loop: the streams were captured on the caller's thread."""
     if fence is not None:
-        await asyncio.to_thread(fence)
+        await asyncio.to_thread(run_fence, fence, strict)
 
 
 class AsyncLease(LeaseBase):
@@ -86,7 +86,11 @@ class AsyncWriteLease(WriteLeaseBase):
     async def commit(self) -> None:
         if self.done:
             raise RuntimeError("this write lease is already committed or aborted")
-        await _wait(self.fence())  # the server checksums the slot: the writes must be done
+        try:  # the server checksums the slot: the engine's writes must be done
+            await _wait(self.fence(), strict=True)
+        except Exception:
+            await self.abort()  # never publish bytes not known to be complete
+            raise
         self.done = True
         await self._client.commit(self.lease_id)
 

@@ -13,6 +13,7 @@ one at once.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -23,10 +24,24 @@ from kvstrata.clients.handles import HandleViews, mapped_devices
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseGrant, LeaseId, RegionInfo, ReserveGrant
 
-__all__ = ["Fence", "LeaseBase", "WriteLeaseBase"]
+__all__ = ["Fence", "LeaseBase", "WriteLeaseBase", "run_fence"]
+
+log = logging.getLogger(__name__)
 
 #: Waits for the GPU work queued on a lease's ``cuda`` slots (see the module docstring).
 Fence = Callable[[], None]
+
+
+def run_fence(fence: Fence, strict: bool) -> None:
+    """Wait on a lease's fence. When the wait fails (a CUDA error: the device runs nothing
+    more of ours), ``release``/``abort`` log it and still reach the server (``strict`` False);
+    ``commit`` raises (its bytes are not known to be complete) and aborts instead."""
+    try:
+        fence()
+    except Exception as exc:
+        if strict:
+            raise
+        log.warning("waiting for the GPU work on a lease failed (%s); ending the lease anyway", exc)
 
 
 def _device_fence(regions: dict[str, RegionInfo], handles: Iterable[Handle]) -> Fence | None:

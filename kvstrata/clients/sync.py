@@ -24,7 +24,7 @@ from kvstrata.clients import commands as cmd
 from kvstrata.clients.commands import Call, HashLike
 from kvstrata.clients.connection import ConnectionPool, ConnectionSettings
 from kvstrata.clients.handles import lease_tier
-from kvstrata.clients.leases import Fence, LeaseBase, WriteLeaseBase
+from kvstrata.clients.leases import Fence, LeaseBase, WriteLeaseBase, run_fence
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.results import RegionInfo
 
@@ -62,9 +62,9 @@ def _command(build: Callable[P, Call[T]]) -> Callable[Concatenate[Client, P], T]
     return cmd.method_like(build, method)
 
 
-def _wait(fence: Fence | None) -> None:
+def _wait(fence: Fence | None, strict: bool = False) -> None:
     if fence is not None:
-        fence()
+        run_fence(fence, strict)
 
 
 class Lease(LeaseBase):
@@ -101,7 +101,11 @@ class WriteLease(WriteLeaseBase):
     def commit(self) -> None:
         if self.done:
             raise RuntimeError("this write lease is already committed or aborted")
-        _wait(self.fence())  # the server checksums the slot: the engine's writes must be done
+        try:  # the server checksums the slot: the engine's writes must be done
+            _wait(self.fence(), strict=True)
+        except Exception:
+            self.abort()  # never publish bytes not known to be complete
+            raise
         self.done = True
         self._client.commit(self.lease_id)
 
