@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = ("machine", "kvikio", "paths", "ipc-tests", "pinning", "tier-tests", "benchmark")
 
@@ -16,10 +18,11 @@ def run_check(out: Path, python: str = sys.executable) -> subprocess.CompletedPr
     env = {**os.environ, "PYTHON": python, "PYTHONPATH": str(ROOT), "OUT": str(out)}
     return subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--dry-run", str(out)],
-        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=880, env=env, cwd=ROOT,
     )  # fmt: skip
 
 
+@pytest.mark.timeout(900)  # ~15 s alone; each step starts Pythons that import torch
 def test_dry_run_goes_through_every_step(tmp_path: Path) -> None:
     proc = run_check(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -35,6 +38,7 @@ def test_dry_run_goes_through_every_step(tmp_path: Path) -> None:
     assert (tmp_path / "gpu-bench.json").exists()
 
 
+@pytest.mark.timeout(600)
 def test_a_failing_step_is_reported_and_the_rest_still_run(tmp_path: Path) -> None:
     fake = tmp_path / "python"
     fake.write_text(
