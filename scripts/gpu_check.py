@@ -6,11 +6,14 @@ print a table with the peer measured in the same run; they are never assertions)
 - lease load: a second process opens the pool's CUDA IPC handle once, views each leased chunk
   as a tensor (``kvstrata.clients.handles``) and copies it into an engine tensor; peer: a
   device-to-device ``copy_`` between two torch tensors in that process.
-- DRAM → GPU: ``GpuTier.put`` from the (pinned) DRAM arena; peer: torch ``copy_`` from a
-  ``pin_memory()`` tensor. GPU → DRAM the same way back.
+- DRAM → GPU: ``GpuTier.put`` from the DRAM arena; peer: torch ``copy_`` from a host tensor
+  pinned exactly when the arena is (``pin_memory()``), so pinned is compared with pinned and
+  pageable with pageable. GPU → DRAM the same way back, into arena reservations.
 - NVMe → GPU: ``load_from_nvme`` (kvikio when importable, else POSIX + copy), page cache
-  dropped before each pass, payload checksum verified; peer: the NVMe tier reading the same
-  files into the DRAM arena.
+  dropped before each pass (``fdatasync`` + ``POSIX_FADV_DONTNEED`` per file, and
+  ``vm.drop_caches`` where the process may write it; never in a dry run), payload checksum
+  verified; peer: the NVMe tier reading the same files into the DRAM arena. kvikio, the NVMe
+  tier and the GPU tier's copy executor all get the same number of threads (``THREADS``).
 
 Every copy is checked (checksums); wrong bytes end the run with exit status 1. ``--dry-run``
 runs the same code over the host stand-in (no CUDA, numbers meaningless) so that the script
@@ -47,6 +50,8 @@ from kvstrata.tiers.gpu_select import gpu_available
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
 
 MiB = 1024 * 1024
+THREADS = 4  # the same for the GPU tier's copies, the NVMe tier's reads and kvikio
+DROP_SYSTEM_CACHE = False  # set by main() outside dry runs
 
 
 class WrongBytes(AssertionError):
@@ -131,7 +136,9 @@ async def bench_dram_gpu(gpu: GpuTier, dram: DramTier, size: int, n: int, repeat
         await asyncio.gather(*(gpu.put(m, view) for m in metas))
 
     up = await timed(h2d, repeat)
-    outs = [bytearray(size) for _ in range(2)]
+    # into DRAM arena reservations, as the store does: pinned like the source (not bytearrays)
+    out_keys = [meta_of(90 + i, b"").key for i in range(2)]
+    outs = [dram.reserve(k, size) for k in out_keys]
 
     async def d2h() -> None:
         await asyncio.gather(*(gpu.get(m.key, memoryview(outs[i % 2])) for i, m in
@@ -141,19 +148,24 @@ async def bench_dram_gpu(gpu: GpuTier, dram: DramTier, size: int, n: int, repeat
     for out in outs:
         if checksum(out) != src.checksum:
             raise WrongBytes("GPU → host copy returned other bytes")
-    peer_up, peer_down = torch_pinned_copies(size, n, repeat, dry)
+    for k in out_keys:
+        dram.abort(k)
+    pinned = dram.pinned >= dram.capacity  # the peer's host tensor is pinned iff the arena is
+    peer_up, peer_down = torch_host_copies(size, n, repeat, dry, pinned)
     for m in metas:
         await gpu.delete(m.key)
     await dram.delete(src.key)
     total = size * n
-    peer = "numpy copy (dry run)" if dry else "torch pinned copy_"
+    kind = "pinned" if pinned else "pageable"
+    peer = "numpy copy (dry run)" if dry else f"torch {kind} copy_"
     return [
-        Row("DRAM→GPU GpuTier.put (arena)", total, up, f"{peer} H2D", peer_up),
-        Row("GPU→DRAM GpuTier.get", total, down, f"{peer} D2H", peer_down),
+        Row(f"DRAM→GPU GpuTier.put ({kind} arena)", total, up, f"{peer} H2D", peer_up),
+        Row(f"GPU→DRAM GpuTier.get ({kind} arena)", total, down, f"{peer} D2H", peer_down),
     ]
 
 
-def torch_pinned_copies(size: int, n: int, repeat: int, dry: bool) -> tuple[float, float]:
+def torch_host_copies(size: int, n: int, repeat: int, dry: bool,
+                      pinned: bool) -> tuple[float, float]:  # fmt: skip
     if dry:
         a, b = np.ones(size, np.uint8), np.empty(size, np.uint8)
         started = time.perf_counter()
@@ -163,7 +175,8 @@ def torch_pinned_copies(size: int, n: int, repeat: int, dry: bool) -> tuple[floa
         return t, t
     import torch
 
-    host = torch.empty(size, dtype=torch.uint8).pin_memory()
+    host = torch.empty(size, dtype=torch.uint8)
+    host = host.pin_memory() if pinned else host
     dev = torch.empty(size, dtype=torch.uint8, device="cuda")
     ups, downs = [], []
     for _ in range(repeat):
@@ -224,7 +237,7 @@ async def bench_lease(gpu: GpuTier, size: int, n: int, repeat: int, dry: bool) -
     r = gpu.regions()[0]
     spec = {
         "region": {"name": r.name, "kind": r.kind, "size": r.size, "path": r.path,
-                   "device": r.device},
+                   "device": r.device, "pci_bus_id": r.pci_bus_id},
         "handles": [{"region": h.region, "offset": h.offset, "length": h.length}
                     for h in (gpu.handle(m.key) for m in metas)],
         "checksum": metas[0].checksum.hex(),
@@ -263,11 +276,42 @@ def filesystem(path: str | None) -> str:
 
 
 def drop_cache(path: str) -> None:
+    """Evict the file's pages: flushed first (dirty pages cannot be dropped, and the files were
+    just written), then POSIX_FADV_DONTNEED; the whole page cache too where we may (root)."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fdatasync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def drop_all_caches() -> str:
+    """Drop the whole page cache when this process may (root on the GPU machine; never in a
+    dry run, which runs on shared machines); says how the cache was dropped, for the report."""
+    if not DROP_SYSTEM_CACHE:
+        return "fdatasync + fadvise(DONTNEED) per file (system cache left alone: dry run)"
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "fdatasync + fadvise(DONTNEED) per file, and vm.drop_caches=1"
+    except OSError:
+        return "fdatasync + fadvise(DONTNEED) per file (vm.drop_caches not writable)"
+
+
+def set_kvikio_threads(n: int) -> str:
+    """Give kvikio as many threads as the NVMe tier and the GPU tier's copy executor."""
+    try:
+        import kvikio.defaults as kd
+    except Exception as exc:  # absent or broken: the POSIX path runs
+        return f"kvikio unavailable ({type(exc).__name__})"
+    setter = getattr(kd, "set", None)
+    if callable(setter):  # >= 25.04
+        setter("num_threads", n)
+    else:
+        kd.num_threads_reset(n)
+    return f"kvikio threads {n}"
 
 
 async def bench_nvme_gpu(gpu: GpuTier, dram: DramTier, nvme: NvmeTier, size: int, n: int,
@@ -285,6 +329,7 @@ async def bench_nvme_gpu(gpu: GpuTier, dram: DramTier, nvme: NvmeTier, size: int
             await gpu.delete(m.key)
         for p in paths:
             drop_cache(p)
+        drop_all_caches()
         for m in metas:
             how = await load_from_nvme(gpu, nvme.root, m)
 
@@ -298,6 +343,7 @@ async def bench_nvme_gpu(gpu: GpuTier, dram: DramTier, nvme: NvmeTier, size: int
     async def to_dram() -> None:
         for p in paths:
             drop_cache(p)
+        drop_all_caches()
         for m in metas:
             await nvme.get(m.key, slot)
 
@@ -328,21 +374,25 @@ async def main(args: argparse.Namespace) -> int:
     for k, v in env.items():
         print(f"  {k}: {v}")
     size, n = args.chunk_mib * MiB, args.chunks
+    global DROP_SYSTEM_CACHE
+    DROP_SYSTEM_CACHE = not args.dry_run
     pool = size * n + 64 * MiB
     if args.dry_run:
-        gpu = GpuTier(GpuConfig(capacity=pool), memory=HostMemory(pool))
+        gpu = GpuTier(GpuConfig(capacity=pool, copy_threads=THREADS), memory=HostMemory(pool))
     else:
         ok, why = gpu_available(0)
         if not ok:
             print(f"gpu_check: CUDA is not available ({why}); use --dry-run", file=sys.stderr)
             return 2
-        gpu = GpuTier(GpuConfig(capacity=pool))
-    dram = DramTier(DramConfig(capacity=2 * size + 64 * MiB, name_prefix="kvstrata-gpucheck"))
+        gpu = GpuTier(GpuConfig(capacity=pool, copy_threads=THREADS))
+    dram = DramTier(DramConfig(capacity=4 * size + 64 * MiB, name_prefix="kvstrata-gpucheck"))
     print(f"  dram arena pinned: {dram.pinned} bytes ({dram.pin_reason})")
+    print(f"  threads: gpu copy {THREADS}, nvme io {THREADS}, {set_kvikio_threads(THREADS)}")
+    print(f"  page cache: {drop_all_caches()}")
     print(f"  nvme folder: {args.nvme_dir or tempfile.gettempdir()} on {filesystem(args.nvme_dir)}")
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as folder:
-        nvme = NvmeTier(NvmeConfig(folder, capacity=4 * size * n + 64 * MiB, io_threads=4))
+        nvme = NvmeTier(NvmeConfig(folder, capacity=4 * size * n + 64 * MiB, io_threads=THREADS))
         async for _ in nvme.scan():
             pass
         try:

@@ -13,6 +13,7 @@ Create it inside the event loop that uses it (``await AsyncClient.connect(...)``
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -22,7 +23,7 @@ from kvstrata.clients.aioconn import AsyncConnectionPool
 from kvstrata.clients.commands import Call, HashLike
 from kvstrata.clients.connection import ConnectionSettings
 from kvstrata.clients.handles import lease_tier
-from kvstrata.clients.leases import LeaseBase, WriteLeaseBase
+from kvstrata.clients.leases import Fence, LeaseBase, WriteLeaseBase, run_fence
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.results import RegionInfo
 from kvstrata.clients.sync import settings_from_url
@@ -45,6 +46,12 @@ def _command(
     return cmd.method_like(build, method)
 
 
+async def _wait(fence: Fence | None, strict: bool = False) -> None:
+    """Wait off the event loop: the streams were captured on the caller's thread."""
+    if fence is not None:
+        await asyncio.to_thread(run_fence, fence, strict)
+
+
 class AsyncLease(LeaseBase):
     """A read lease; ``async with`` releases it."""
 
@@ -56,6 +63,7 @@ class AsyncLease(LeaseBase):
 
     async def release(self) -> None:
         if not self.done:
+            await _wait(self.fence())  # the engine's queued copies out of the slots come first
             self.done = True
             await self._client.release(self.lease_id)
 
@@ -78,11 +86,17 @@ class AsyncWriteLease(WriteLeaseBase):
     async def commit(self) -> None:
         if self.done:
             raise RuntimeError("this write lease is already committed or aborted")
+        try:  # the server checksums the slot: the engine's writes must be done
+            await _wait(self.fence(), strict=True)
+        except Exception:
+            await self.abort()  # never publish bytes not known to be complete
+            raise
         self.done = True
         await self._client.commit(self.lease_id)
 
     async def abort(self) -> None:
         if not self.done:
+            await _wait(self.fence())  # a queued write must not land in the slot's next tenant
             self.done = True
             await self._client.abort(self.lease_id)
 

@@ -9,10 +9,12 @@ Views of a read lease are read-only (numpy) or must be treated as such (torch ha
 tensors); views of a reserved slot are writable.
 
 ``cuda`` regions (the server's GPU pool) carry a CUDA IPC memory handle (hex of the 64-byte
-``cudaIpcMemHandle_t``). They are opened with CuPy (``cupy.cuda.runtime.ipcOpenMemHandle``) when
-it is installed, else through the CUDA runtime that torch loads (``cudaIpcOpenMemHandle`` via
-ctypes), and exposed as torch tensors (:func:`handle_tensor`) or CuPy arrays
-(:func:`handle_cupy`) on the region's device. Without CUDA the functions raise
+``cudaIpcMemHandle_t``) and the GPU's PCI bus id. They are opened once per process through the
+CUDA runtime torch (or CuPy) already loaded, on the local device with that bus id
+(:mod:`kvstrata.clients.cuda_ipc`), and exposed as torch tensors (:func:`handle_tensor`) or
+CuPy arrays (:func:`handle_cupy`). A region whose handle changes (restarted server) is mapped
+afresh and the old mapping closed (``cudaIpcCloseMemHandle``) when its last view goes; so is
+every mapping after :func:`close_all`. Without CUDA the functions raise
 :class:`CudaUnavailable` saying so.
 
 A server with a GPU tier leases into it by default. :func:`lease_tier` is what the clients
@@ -29,11 +31,13 @@ from __future__ import annotations
 import functools
 import glob
 import threading
+from collections.abc import Iterable
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
 
+from kvstrata.clients.cuda_ipc import IpcMapping, IpcRuntime, ipc_runtime
 from kvstrata.clients.results import Handle, RegionInfo
 
 __all__ = [
@@ -48,6 +52,7 @@ __all__ = [
     "handle_view",
     "lease_tier",
     "map_shm",
+    "mapped_devices",
 ]
 
 
@@ -62,7 +67,8 @@ class CudaUnavailable(RegionMapError):
 _lock = threading.Lock()
 _shm: dict[str, shared_memory.SharedMemory] = {}
 _retired: list[shared_memory.SharedMemory] = []
-_cuda: dict[tuple[str, int], int] = {}  # (IPC handle hex, device) -> device pointer
+_cuda: dict[str, IpcMapping] = {}  # region name -> its mapping (IPC handle, local device)
+_ipc_runtime = ipc_runtime  # a seam: the tests record IPC calls with a stand-in
 
 
 def map_shm(region: RegionInfo) -> memoryview:
@@ -148,17 +154,18 @@ def handle_tensor(region: RegionInfo, handle: Handle, dtype: Any = None) -> Any:
 def _cuda_tensor(region: RegionInfo, handle: Handle, dtype: Any) -> Any:
     import torch
 
-    ptr = _open_cuda(region)
-    nbytes = handle.length
-    holder = _CudaArray(ptr + handle.offset, nbytes)
-    flat = torch.as_tensor(holder, device=f"cuda:{region.device}")
+    mapping = _open_cuda(region)
+    holder = _CudaArray(mapping.ptr + handle.offset, handle.length, mapping)
+    flat = torch.as_tensor(holder, device=f"cuda:{mapping.device}")
     return flat.view(dtype)
 
 
 class _CudaArray:
-    """Exposes device memory through ``__cuda_array_interface__`` (no copy, no ownership)."""
+    """Exposes device memory through ``__cuda_array_interface__`` (no copy); the tensor made
+    from it keeps it, and so ``owner`` (the IPC mapping), alive."""
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
+    def __init__(self, ptr: int, nbytes: int, owner: Any = None) -> None:
+        self.owner = owner
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -173,13 +180,15 @@ def handle_cupy(region: RegionInfo, handle: Handle, dtype: Any = np.uint8) -> An
     try:
         import cupy
     except ImportError:
-        raise CudaUnavailable("handle_cupy needs CuPy (pip install cupy-cuda12x)") from None
+        raise CudaUnavailable("handle_cupy needs CuPy (cupy-cuda13x or cupy-cuda12x)") from None
     _check_bounds(region, handle)
     dt = np.dtype(dtype)
     if handle.length % dt.itemsize:
         raise ValueError(f"{handle.length} bytes are not a whole number of {dt} items")
-    ptr = _open_cuda(region)
-    memory = cupy.cuda.UnownedMemory(ptr + handle.offset, handle.length, None, region.device)
+    mapping = _open_cuda(region)
+    memory = cupy.cuda.UnownedMemory(
+        mapping.ptr + handle.offset, handle.length, mapping, mapping.device
+    )
     pointer = cupy.cuda.MemoryPointer(memory, 0)
     return cupy.ndarray((handle.length // dt.itemsize,), dtype=dt, memptr=pointer)
 
@@ -205,85 +214,48 @@ def lease_tier(tier: str | None) -> str | None:
     return None if cuda_usable() else "dram"
 
 
-def _open_cuda(region: RegionInfo) -> int:
+def _open_cuda(region: RegionInfo) -> IpcMapping:
+    """The mapping of ``region`` in this process, opened once. A region whose IPC handle
+    changed (a restarted server's new pool under the same name) replaces the old mapping,
+    which is closed once no view of it is left (:class:`~kvstrata.clients.cuda_ipc.IpcMapping`)."""
     if region.kind != "cuda":
         raise RegionMapError(f"region {region.name!r} is {region.kind!r}, not cuda")
-    key = (region.path, region.device)
     with _lock:
-        ptr = _cuda.get(key)
-        if ptr is None:
-            raw = bytes.fromhex(region.path)
-            ptr = _ipc_open(raw, max(region.device, 0))
-            _cuda[key] = ptr
-    return ptr
+        mapping = _cuda.get(region.name)
+        if mapping is None or mapping.path != region.path:
+            _cuda.pop(region.name, None)  # the old pool: closed when its last view goes
+            mapping = _ipc_map(region)
+            _cuda[region.name] = mapping
+    return mapping
 
 
-def _ipc_open(raw: bytes, device: int) -> int:
-    """Open a CUDA IPC memory handle: CuPy when installed, else torch's CUDA runtime."""
-    try:
-        import cupy
-    except ImportError:
-        cupy = None
-    if cupy is not None:
-        try:
-            with cupy.cuda.Device(device):
-                return int(cupy.cuda.runtime.ipcOpenMemHandle(raw))
-        except Exception as exc:  # CUDARuntimeError and friends, also "no device"
-            raise CudaUnavailable(f"CuPy could not open the CUDA IPC handle: {exc}") from exc
-    try:
-        import torch
-    except ImportError:
-        raise CudaUnavailable("a cuda region needs CuPy or torch with CUDA") from None
-    if not torch.cuda.is_available():
+def _ipc_map(region: RegionInfo) -> IpcMapping:
+    runtime = _ipc_runtime()
+    if runtime is None:
         raise CudaUnavailable(
             "the server shares GPU memory (cuda region) but CUDA is not available in this "
-            "process; use KV.GET or ask the server for host (shm) leases"
+            "process (needs torch with CUDA or CuPy); use KV.GET or ask for TIER dram leases"
         )
-    return _ipc_open_ctypes(raw, device)
+    device = _local_device(runtime, region)
+    try:
+        ptr = runtime.open(bytes.fromhex(region.path), device)
+    except Exception as exc:  # IpcError, CuPy's CUDARuntimeError
+        why = f"could not open the CUDA IPC handle of {region.name!r}: {exc}"
+        raise CudaUnavailable(why) from exc
+    return IpcMapping(region.path, ptr, device, runtime)
 
 
-def _ipc_open_ctypes(raw: bytes, device: int) -> int:
-    import ctypes
-
-    import torch
-
-    torch.cuda.set_device(device)
-    torch.cuda.init()
-    lib = _cudart()
-
-    class IpcMemHandle(ctypes.Structure):
-        _fields_ = [("reserved", ctypes.c_char * 64)]
-
-    if len(raw) != 64:
-        raise RegionMapError(f"a CUDA IPC handle is 64 bytes, got {len(raw)}")
-    handle = IpcMemHandle()
-    ctypes.memmove(ctypes.byref(handle), raw, 64)
-    ptr = ctypes.c_void_p()
-    lib.cudaIpcOpenMemHandle.argtypes = [
-        ctypes.POINTER(ctypes.c_void_p),
-        IpcMemHandle,
-        ctypes.c_uint,
-    ]
-    rc = lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), handle, 1)  # cudaIpcMemLazyEnablePeerAccess
-    if rc != 0:
-        raise RegionMapError(f"cudaIpcOpenMemHandle failed with CUDA error {rc}")
-    return int(ptr.value or 0)
-
-
-def _cudart() -> Any:
-    """The CUDA runtime library torch loaded (``libcudart``), found by name."""
-    import ctypes
-    import ctypes.util
-
-    for name in ("libcudart.so", "libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    found = ctypes.util.find_library("cudart")
-    if found:
-        return ctypes.CDLL(found)
-    raise CudaUnavailable("libcudart not found (install CuPy, or torch built with CUDA)")
+def _local_device(runtime: IpcRuntime, region: RegionInfo) -> int:
+    """This process's ordinal of the region's GPU: by PCI bus id when the server sent one."""
+    if not region.pci_bus_id:
+        return max(region.device, 0)
+    try:
+        return runtime.device_by_bus_id(region.pci_bus_id)
+    except Exception as exc:
+        raise CudaUnavailable(
+            f"GPU {region.pci_bus_id} of region {region.name!r} is not visible in this process "
+            f"(CUDA_VISIBLE_DEVICES?): {exc}"
+        ) from exc
 
 
 class HandleViews:
@@ -313,9 +285,10 @@ class HandleViews:
 
 def close_all() -> int:
     """Unmap the regions this process mapped; returns how many stay mapped because a live
-    numpy/torch view still uses them (those views stay valid; a later lease maps afresh)."""
+    numpy/torch/CuPy view still uses them (those views stay valid; a later lease maps afresh;
+    a ``cuda`` mapping is closed with ``cudaIpcCloseMemHandle`` when its last view goes)."""
     with _lock:
-        busy = 0
+        busy = _drop_cuda()
         for name, shm in list(_shm.items()):
             try:
                 shm.close()
@@ -324,3 +297,18 @@ def close_all() -> int:
                 _retired.append(shm)  # the mapping lives as long as the views into it
             del _shm[name]
     return busy
+
+
+def mapped_devices(regions: Iterable[RegionInfo]) -> set[int]:
+    """Local devices of the ``cuda`` regions among ``regions`` that this process has mapped
+    (a region never mapped here has no views, so no GPU work of ours can touch it)."""
+    with _lock:
+        maps = [_cuda.get(r.name) for r in regions if r.kind == "cuda"]
+        return {m.device for m in maps if m is not None}
+
+
+def _drop_cuda() -> int:
+    """Forget every ``cuda`` mapping (caller holds ``_lock``); how many views keep open."""
+    finalizers = [m.finalizer for m in _cuda.values()]
+    _cuda.clear()
+    return sum(1 for f in finalizers if f.alive)

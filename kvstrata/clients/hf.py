@@ -4,8 +4,9 @@
 
 1. hashes the prompt's full chunks (:func:`kvstrata.store.hashing.chunk_hashes`) and asks the
    server, in one round trip, how long the cached prefix is (``KV.MATCH``);
-2. loads those chunks (a ``KV.LEASE`` read in place from the server's shared memory when it is
-   on this host, else one ``KV.MGET`` into a kept staging buffer) and decodes them straight
+2. loads those chunks (a ``KV.LEASE`` read in place when the server is on this host: from its
+   shared memory, or from its GPU pool through CUDA IPC when it has a GPU tier and this process
+   has CUDA; else one ``KV.MGET`` into a kept staging buffer) and decodes them straight
    into per-layer key/value tensors preallocated for the whole prefix, which become the layers
    of a ``DynamicCache``;
 3. runs the model only on the rest of the prompt;
@@ -44,7 +45,8 @@ class KVClient(Protocol):
     """The part of :class:`kvstrata.clients.sync.Client` this module uses. It must be safe to
     call from two threads (the real client is: it borrows a pooled connection per call).
     Optional: ``match_tiers`` (returns ``.matched`` and ``.tiers``) and ``lease`` (zero-copy
-    reads; returns an object with ``views()`` and ``release()``, or None)."""
+    reads; returns an object with ``payloads()`` (or only ``views()``) and ``release()``, or
+    None)."""
 
     def match(self, ns: str, hashes: Sequence[bytes]) -> int: ...
 
@@ -297,16 +299,16 @@ class HFPrefixCache:
             if lease is None:
                 return 0
             try:
-                views = lease.views()
-                for i, view in enumerate(views):
-                    self._decode(view, i, keys, values)
-                return len(views)
+                payloads = _lease_payloads(lease)
+                for i, payload in enumerate(payloads):
+                    self._decode(payload, i, keys, values)
+                return len(payloads)
             finally:
-                lease.release()
+                lease.release()  # waits for the decode's copies out of cuda chunks first
         except RegionMapError:
             if self.load == "lease":
                 raise
-            self.load = "mget"  # another host or a GPU region: stop trying
+            self.load = "mget"  # another host, or GPU handles in a process without CUDA
             return 0
 
     def _fill_received(
@@ -351,3 +353,11 @@ class HFPrefixCache:
             stored += 1
             self._stats.stored_chunks += 1
         return stored
+
+
+def _lease_payloads(lease: Any) -> list[Any]:
+    """What the decoder reads a leased chunk from: a memoryview of an ``shm`` handle, a CUDA
+    tensor of a ``cuda`` handle (a server with a GPU tier leases from its pool by default,
+    and ``views()`` cannot show device memory)."""
+    payloads = getattr(lease, "payloads", None)
+    return list(payloads()) if callable(payloads) else list(lease.views())

@@ -195,7 +195,7 @@ def pack_chunk(
 
 def _parse_sections(raw: torch.Tensor, count: int) -> tuple[list[SectionSpec], list[int]]:
     specs, offsets = [], []
-    data = bytes(raw[_FIXED.size : _FIXED.size + count * _SECTION.size].numpy())
+    data = bytes(raw[_FIXED.size : _FIXED.size + count * _SECTION.size].cpu().numpy())
     for i in range(count):
         which, role, dt, ndim, *rest = _SECTION.unpack_from(data, i * _SECTION.size)
         dims, off, nbytes = rest[:4], rest[4], rest[5]
@@ -215,7 +215,7 @@ def read_layout(payload: Any) -> tuple[ChunkLayout, list[SectionSpec], list[int]
     raw = _byte_view(payload)
     if raw.numel() < _FIXED.size:
         raise LayoutError("payload shorter than the layout header")
-    fixed = _FIXED.unpack(bytes(raw[: _FIXED.size].numpy()))
+    fixed = _FIXED.unpack(bytes(raw[: _FIXED.size].cpu().numpy()))  # header of a cuda lease too
     magic, version, hlen, codec_id, dtype_id, layers, heads, dim, tokens, count, _ = fixed
     if magic != MAGIC:
         raise LayoutError("not a kvstrata chunk payload (bad magic)")

@@ -3,20 +3,50 @@
 The view methods live here, shared by the sync and async clients; ``sync.py`` and ``aio.py``
 add how a lease ends (``release``/``commit``/``abort``, blocking or awaited) and the context
 manager protocol. A view is valid only while its lease is held.
+
+A lease with handles in a ``cuda`` region has a :meth:`~LeaseBase.fence`: the wait for the
+GPU work this thread has queued so far (torch's and CuPy's current streams). The clients wait
+on it before ``release``, ``commit`` and ``abort``: ``engine_tensor.copy_(lease_tensor)`` is
+only queued when it returns, and the server may reuse a released slot or checksum a committed
+one at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvstrata.clients.handles import HandleViews
+from kvstrata.clients.cuda_ipc import stream_fence
+from kvstrata.clients.handles import HandleViews, mapped_devices
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseGrant, LeaseId, RegionInfo, ReserveGrant
 
-__all__ = ["LeaseBase", "WriteLeaseBase"]
+__all__ = ["Fence", "LeaseBase", "WriteLeaseBase", "run_fence"]
+
+log = logging.getLogger(__name__)
+
+#: Waits for the GPU work queued on a lease's ``cuda`` slots (see the module docstring).
+Fence = Callable[[], None]
+
+
+def run_fence(fence: Fence, strict: bool) -> None:
+    """Wait on a lease's fence. When the wait fails (a CUDA error: the device runs nothing
+    more of ours), ``release``/``abort`` log it and still reach the server (``strict`` False);
+    ``commit`` raises (its bytes are not known to be complete) and aborts instead."""
+    try:
+        fence()
+    except Exception as exc:
+        if strict:
+            raise
+        log.warning("waiting for the GPU work on a lease failed (%s); ending the lease anyway", exc)
+
+
+def _device_fence(regions: dict[str, RegionInfo], handles: Iterable[Handle]) -> Fence | None:
+    used = {h.region: regions[h.region] for h in handles if h.region in regions}
+    return stream_fence(mapped_devices(used.values()))
 
 
 class LeaseBase(HandleViews):
@@ -50,9 +80,23 @@ class LeaseBase(HandleViews):
     def __len__(self) -> int:
         return len(self.grant.handles)
 
+    def fence(self) -> Fence | None:
+        """The wait for this thread's queued GPU work on the leased ``cuda`` chunks (copies
+        out of them); None when no handle is in a ``cuda`` region mapped here."""
+        return _device_fence(self._regions, self.grant.handles)
+
     def views(self) -> list[memoryview]:
         """Read-only memoryviews of the chunks (``shm`` regions)."""
         return [self._view(h) for h in self.grant.handles]
+
+    def payloads(self) -> list[Any]:
+        """Each chunk as its region allows without a copy: a read-only memoryview (``shm``)
+        or a 1-D uint8 CUDA tensor (``cuda``; do not write). One lease may mix both: a
+        server with a GPU tier leases from DRAM the chunks its pool has no room for."""
+        return [
+            self._tensor(h, None) if self._region(h).kind == "cuda" else self._view(h)
+            for h in self.grant.handles
+        ]
 
     def arrays(self, dtype: Any = np.uint8) -> list[np.ndarray]:
         """Read-only 1-D numpy arrays of the chunks (``shm`` regions)."""
@@ -91,6 +135,11 @@ class WriteLeaseBase(HandleViews):
     @property
     def nbytes(self) -> int:
         return self.grant.handle.length
+
+    def fence(self) -> Fence | None:
+        """The wait for this thread's queued GPU work on the slot (writes into it); None when
+        the slot is not in a ``cuda`` region mapped here."""
+        return _device_fence(self._regions, (self.grant.handle,))
 
     def view(self) -> memoryview:
         """The slot as a writable memoryview (``shm`` regions)."""

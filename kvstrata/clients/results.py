@@ -52,7 +52,8 @@ class RegionInfo:
     kind: str
     size: int
     path: str
-    device: int = -1
+    device: int = -1  # the server's ordinal; map by pci_bus_id where it is given
+    pci_bus_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,4 +116,5 @@ def parse_region(value: Any) -> RegionInfo:
         size=as_int(m["size"]),
         path=as_str(m.get("path", b"")),
         device=-1 if device is None else as_int(device),
+        pci_bus_id=as_str(m.get("pci_bus_id") or b""),
     )

@@ -24,7 +24,7 @@ from kvstrata.clients import commands as cmd
 from kvstrata.clients.commands import Call, HashLike
 from kvstrata.clients.connection import ConnectionPool, ConnectionSettings
 from kvstrata.clients.handles import lease_tier
-from kvstrata.clients.leases import LeaseBase, WriteLeaseBase
+from kvstrata.clients.leases import Fence, LeaseBase, WriteLeaseBase, run_fence
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.results import RegionInfo
 
@@ -62,6 +62,11 @@ def _command(build: Callable[P, Call[T]]) -> Callable[Concatenate[Client, P], T]
     return cmd.method_like(build, method)
 
 
+def _wait(fence: Fence | None, strict: bool = False) -> None:
+    if fence is not None:
+        run_fence(fence, strict)
+
+
 class Lease(LeaseBase):
     """A read lease (see :class:`~kvstrata.clients.leases.LeaseBase`); ``with`` releases it."""
 
@@ -73,6 +78,7 @@ class Lease(LeaseBase):
 
     def release(self) -> None:
         if not self.done:
+            _wait(self.fence())  # the engine's queued copies out of the slots come first
             self.done = True
             self._client.release(self.lease_id)
 
@@ -95,11 +101,17 @@ class WriteLease(WriteLeaseBase):
     def commit(self) -> None:
         if self.done:
             raise RuntimeError("this write lease is already committed or aborted")
+        try:  # the server checksums the slot: the engine's writes must be done
+            _wait(self.fence(), strict=True)
+        except Exception:
+            self.abort()  # never publish bytes not known to be complete
+            raise
         self.done = True
         self._client.commit(self.lease_id)
 
     def abort(self) -> None:
         if not self.done:
+            _wait(self.fence())  # a queued write must not land in the slot's next tenant
             self.done = True
             self._client.abort(self.lease_id)
 

@@ -12,6 +12,8 @@ import glob
 import logging
 from typing import Any
 
+from kvstrata.cudart import clear_last_error
+
 log = logging.getLogger(__name__)
 
 
@@ -50,13 +52,20 @@ def _runtime() -> tuple[str, Any]:
 
 
 def host_register(ptr: int, size: int) -> str | None:
-    """cudaHostRegister(ptr, size); None on success, else the reason it failed."""
+    """cudaHostRegister(ptr, size); None on success, else the reason it failed.
+
+    torch's binding returns the error code and leaves it in the thread's last-error slot,
+    where torch's next kernel-launch check would find it: it is cleared here (CuPy clears its
+    own failures)."""
     try:
         kind, rt = _runtime()
         if kind == "torch":
             rc = rt.cudaHostRegister(ptr, size, 0)
             code = int(getattr(rc, "value", rc))
-            return None if code == 0 else f"cudaHostRegister failed with error {code}"
+            if code == 0:
+                return None
+            clear_last_error()
+            return f"cudaHostRegister failed with error {code}"
         rt.hostRegister(ptr, size, 0)
         return None
     except Exception as exc:  # any runtime failure means "not pinned", never a crash
@@ -67,7 +76,10 @@ def host_unregister(ptr: int) -> None:
     try:
         kind, rt = _runtime()
         if kind == "torch":
-            rt.cudaHostUnregister(ptr)
+            rc = rt.cudaHostUnregister(ptr)
+            if int(getattr(rc, "value", rc)) != 0:
+                clear_last_error()
+                log.warning("cudaHostUnregister failed with error %s", rc)
         else:
             rt.hostUnregister(ptr)
     except Exception as exc:

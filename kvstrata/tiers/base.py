@@ -106,6 +106,7 @@ class Region:
     size: int
     path: str  # shm name (for /dev/shm) or hex CUDA IPC handle
     device: int = -1  # CUDA device ordinal, -1 for host memory
+    pci_bus_id: str = ""  # the GPU's PCI bus id: ordinals differ with CUDA_VISIBLE_DEVICES
 
 
 @dataclass(frozen=True, slots=True)

@@ -142,8 +142,9 @@ class GpuTier(ArenaTier):
 
     def regions(self) -> list[Region]:
         return [
-            Region(self.region_name, "cuda", self._alloc.capacity, self._ipc_hex, self._mem.device)
-        ]
+            Region(self.region_name, "cuda", self._alloc.capacity, self._ipc_hex, self._mem.device,
+                   self._mem.pci_bus_id)
+        ]  # fmt: skip
 
     # -- async contract -----------------------------------------------------------------
 
@@ -161,10 +162,14 @@ class GpuTier(ArenaTier):
         offset = self._allocate(meta.size)
         started = time.perf_counter()
         try:
-            await self._run(fill, self._mem, offset)
-        except BaseException:
-            if not self._closed:
-                self._free(offset)
+            copy = self._submit(fill, self._mem, offset)
+        except BaseException:  # the executor refused it (shut down): nothing runs on the slot
+            self._free(offset)
+            raise
+        try:
+            await self._wait(copy)
+        except BaseException:  # also a cancellation while the thread still writes the slot
+            _when_done(copy, lambda: self._free_unless_closed(offset))
             raise
         self.stats.seconds_in += time.perf_counter() - started
         if self._closed:
@@ -205,12 +210,14 @@ class GpuTier(ArenaTier):
         self.stats.bytes_out += n
 
     async def _read_slot(self, slot: Slot, use: Callable[[DeviceMemory, int], T]) -> None:
-        self._readers[slot.offset] = self._readers.get(slot.offset, 0) + 1
         started = time.perf_counter()
+        copy = self._submit(use, self._mem, slot.offset)
+        # counted on the loop thread right after the submit: no free can run in between
+        self._readers[slot.offset] = self._readers.get(slot.offset, 0) + 1
         try:
-            await self._run(use, self._mem, slot.offset)
-        finally:
-            self._end_read(slot.offset)
+            await self._wait(copy)
+        finally:  # a cancelled read still holds the slot until its thread has let go
+            _when_done(copy, lambda: self._end_read(slot.offset))
         self.stats.seconds_out += time.perf_counter() - started
 
     def info(self) -> dict[str, Any]:
@@ -232,12 +239,21 @@ class GpuTier(ArenaTier):
 
     # -- internals ----------------------------------------------------------------------
 
-    async def _run(self, fn: Callable[[DeviceMemory, int], T], *args: Any) -> T:
+    def _submit(self, fn: Callable[[DeviceMemory, int], T], *args: Any) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _wait(self, copy: asyncio.Future[T]) -> T:
+        """The copy's result. Shielded: cancelling the caller does not pretend the thread has
+        stopped (a running executor job cannot be cancelled); see :func:`_when_done`."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            return await asyncio.shield(copy)
         except CudaCallError as exc:
             self.stats.errors += 1
             raise TierError(f"gpu: {exc}") from exc
+
+    def _free_unless_closed(self, offset: int) -> None:
+        if not self._closed:  # close() dropped the whole table (and the pool)
+            self._free(offset)
 
     def _free(self, offset: int) -> None:
         if self._readers.get(offset):
@@ -254,6 +270,15 @@ class GpuTier(ArenaTier):
         if offset in self._deferred and not self._closed:
             self._deferred.discard(offset)
             self._alloc.free(offset)
+
+
+def _when_done(copy: asyncio.Future[Any], then: Callable[[], None]) -> None:
+    """Run ``then`` (free or release a slot) once ``copy``'s thread has ended: now when it
+    has, else from the event loop when it does; never while the thread still uses the slot."""
+    if copy.done():
+        then()
+    else:
+        copy.add_done_callback(lambda _: then())
 
 
 # Registered by call rather than as a decorator so that type checkers keep the class type.

@@ -16,13 +16,16 @@ pageable source is staged by the driver, correct but slower.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Protocol
 
 import numpy as np
 
 from kvstrata.tiers.base import TierError
-from kvstrata.tiers.gpu_runtime import CudaRuntime
+from kvstrata.tiers.gpu_runtime import CudaCallError, CudaRuntime
+
+log = logging.getLogger(__name__)
 
 
 class NoHostView(TierError):
@@ -34,6 +37,7 @@ class DeviceMemory(Protocol):
 
     backend: str  # "cudart", "cupy", "host"
     device: int
+    pci_bus_id: str  # "" for the host stand-in
     size: int
     ptr: int
     host_addressable: bool  # True only for the host stand-in
@@ -99,6 +103,7 @@ class CudaMemory:
         self.device = device
         self.size = size
         runtime.set_device(device)
+        self.pci_bus_id = runtime.pci_bus_id(device)
         self.ptr = runtime.malloc(size)
         self._ipc: bytes | None = None
         self._local = threading.local()
@@ -157,9 +162,14 @@ class CudaMemory:
         self._closed = True
         with self._lock:
             streams, self._streams = self._streams, []
-        for stream in streams:
-            self._rt.stream_destroy(stream)
-        self._rt.free(self.ptr)
+        try:
+            for stream in streams:
+                try:
+                    self._rt.stream_destroy(stream)
+                except CudaCallError as exc:  # a stream that will not go must not keep the pool
+                    log.warning("gpu: cudaStreamDestroy failed at close: %s", exc)
+        finally:
+            self._rt.free(self.ptr)
 
 
 class HostMemory:
@@ -167,6 +177,7 @@ class HostMemory:
 
     backend = "host"
     host_addressable = True
+    pci_bus_id = ""
 
     def __init__(self, size: int, device: int = 0) -> None:
         self.device = device

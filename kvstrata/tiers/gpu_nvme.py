@@ -8,7 +8,14 @@ slot of the :class:`~kvstrata.tiers.gpu.GpuTier`:
   Storage where the driver and filesystem allow it, kvikio's compatibility mode (POSIX reads
   through its own pinned bounce buffers) otherwise; :func:`kvikio_mode` says which;
 - without kvikio (or over the host stand-in of the CPU tests) the file is read with ``preadv``
-  into a host buffer and copied to the slot.
+  into a host buffer and copied to the slot; so it is when kvikio's import fails (a broken
+  install raises ImportError or OSError) or kvikio fails on a file that is intact
+  (:class:`KvikioUnusable`).
+
+kvikio raises one ``RuntimeError`` for a short read, a vanished file and a cuFile failure, so
+the file's size is checked before the read and an error is explained after it: a file that is
+gone is :class:`ChunkMissing`, one too short is :class:`IntegrityError` (the store then drops
+it from the NVMe tier), anything else falls back to the POSIX read.
 
 Integrity: the header is checked (magic, header checksum, the key it names, the size) before
 the payload is read, and the payload's xxh3-128 is verified before the slot is published. On
@@ -22,35 +29,103 @@ file intact, so header and payload always come from the same version.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import logging
 import os
+import sys
 from typing import Any
 
 import numpy as np
 
 from kvstrata.store.keys import ChunkMeta
 from kvstrata.tiers._nvme_format import HEADER_SIZE, BadHeader, chunk_relpath, decode_header
-from kvstrata.tiers.base import ChunkMissing, IntegrityError
+from kvstrata.tiers.base import ChunkMissing, IntegrityError, TierError
 from kvstrata.tiers.checksum import checksum
 from kvstrata.tiers.gpu import GpuTier
 from kvstrata.tiers.gpu_memory import DeviceMemory
 
+log = logging.getLogger(__name__)
+
+
+class KvikioUnusable(Exception):
+    """kvikio cannot read here (a broken install, a cuFile failure not explained by the file):
+    the read falls back to the POSIX path."""
+
+
+#: Why kvikio's import failed in this process ("" until it failed once): not retried per chunk.
+_kvikio_broken = ""
+_import = importlib.import_module  # a seam: the tests make the import fail like a broken install
+
 
 def kvikio_importable() -> bool:
-    return importlib.util.find_spec("kvikio") is not None
+    """Whether a ``kvikio`` package is there (its import may still fail: :func:`import_kvikio`)."""
+    if "kvikio" in sys.modules:
+        return sys.modules["kvikio"] is not None
+    try:
+        return importlib.util.find_spec("kvikio") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def import_kvikio() -> Any:
+    """kvikio, or :class:`KvikioUnusable` saying why not: absent, or a broken install whose
+    import raises ImportError/OSError/RuntimeError (libkvikio or libcufile not loadable)."""
+    global _kvikio_broken
+    if _kvikio_broken:
+        raise KvikioUnusable(_kvikio_broken)
+    try:
+        return _import("kvikio")
+    except (ImportError, OSError, RuntimeError) as exc:
+        _kvikio_broken = f"kvikio cannot be imported: {type(exc).__name__}: {exc}"
+        raise KvikioUnusable(_kvikio_broken) from exc
+
+
+def compat_mode_of(defaults: Any) -> str:
+    """What kvikio's compatibility setting means, across versions:
+
+    - ≤ 24.10 ``defaults.compat_mode()`` is a bool;
+    - 24.12–25.02 it is a ``CompatMode`` enum (``OFF``, ``ON``, ``AUTO``) and ``AUTO`` is
+      truthy, so ``bool()`` of it says "compat" where cuFile may well be used;
+    - ≥ 25.04 ``defaults.get("compat_mode")`` gives the enum, and
+      ``is_compat_mode_preferred()`` only the global guess for ``AUTO``: a file on a filesystem
+      without GDS support still falls back to compat mode.
+
+    Returns "gds", "compat", "auto" (unresolved), "auto-gds" or "auto-compat" (the guess)."""
+    value = _compat_setting(defaults)
+    name = getattr(value, "name", None)
+    if name is None:
+        return "compat" if value else "gds"
+    if name in ("ON", "OFF"):
+        return "compat" if name == "ON" else "gds"
+    preferred = getattr(defaults, "is_compat_mode_preferred", None)
+    if callable(preferred):
+        return "auto-compat" if preferred() else "auto-gds"
+    return "auto"
+
+
+def _compat_setting(defaults: Any) -> Any:
+    get = getattr(defaults, "get", None)
+    if callable(get):  # >= 25.04
+        try:
+            return get("compat_mode")
+        except Exception:  # an older ``get`` of another meaning: ask the old way
+            pass
+    old = getattr(defaults, "compat_mode", None)
+    return old() if callable(old) else None
 
 
 def kvikio_mode() -> str:
-    """ "gds", "compat" (kvikio without GPUDirect Storage) or "absent"."""
+    """ "gds", "compat", "auto…" (see :func:`compat_mode_of`), "absent" or "broken"."""
     if not kvikio_importable():
         return "absent"
-    import kvikio.defaults as defaults
-
-    for probe in ("is_compat_mode_preferred", "compat_mode"):  # names differ across versions
-        fn = getattr(defaults, probe, None)
-        if callable(fn):
-            return "compat" if bool(fn()) else "gds"
-    return "unknown"
+    try:
+        kvikio = import_kvikio()
+        return compat_mode_of(_import("kvikio.defaults"))
+    except KvikioUnusable:
+        return "broken"
+    except (ImportError, AttributeError) as exc:
+        return f"unknown ({kvikio.__name__}: {exc})"
 
 
 def chunk_path(root: str, meta: ChunkMeta) -> str:
@@ -75,21 +150,51 @@ def _verify(mem: DeviceMemory, offset: int, want: ChunkMeta, path: str) -> None:
 
 
 def read_file_kvikio(path: str, want: ChunkMeta, mem: DeviceMemory, offset: int) -> None:
-    """Blocking: header to host, payload straight into ``mem`` at ``offset``, then verify."""
-    import kvikio
+    """Blocking: header to host, payload straight into ``mem`` at ``offset``, then verify.
 
-    if not os.path.exists(path):  # kvikio reports a missing file as a generic RuntimeError
-        raise FileNotFoundError(path)
+    kvikio reports a short read, a vanished file and a cuFile failure alike as RuntimeError;
+    the file's size is checked first, and an error is mapped afterwards: a missing file to
+    FileNotFoundError, a short one to IntegrityError, anything else to KvikioUnusable (the
+    caller then reads the file the POSIX way)."""
+    kvikio = import_kvikio()
+    size = os.stat(path).st_size  # FileNotFoundError: the chunk is gone
+    _check_size(path, size, want)
     head = np.empty(HEADER_SIZE, dtype=np.uint8)
-    with kvikio.CuFile(path, "r") as f:
-        if int(f.pread(head, HEADER_SIZE, 0).get()) < HEADER_SIZE:
-            raise IntegrityError(f"{path}: truncated header")
-        _check_header(head.tobytes(), want, path)
-        if want.size:
-            got = int(f.pread(mem.buffer(offset, want.size), want.size, HEADER_SIZE).get())
-            if got < want.size:
-                raise IntegrityError(f"{path}: truncated payload ({got} of {want.size} bytes)")
+    try:
+        with kvikio.CuFile(path, "r") as f:
+            if int(f.pread(head, HEADER_SIZE, 0).get()) < HEADER_SIZE:
+                raise IntegrityError(f"{path}: truncated header")
+            _check_header(head.tobytes(), want, path)
+            if want.size:
+                got = int(f.pread(mem.buffer(offset, want.size), want.size, HEADER_SIZE).get())
+                if got < want.size:
+                    raise IntegrityError(f"{path}: truncated payload ({got} of {want.size} bytes)")
+    except TierError:
+        raise
+    except (RuntimeError, OSError) as exc:
+        raise _kvikio_failure(path, want, exc) from exc
     _verify(mem, offset, want, path)
+
+
+def _check_size(path: str, size: int, want: ChunkMeta) -> None:
+    if size < HEADER_SIZE + want.size:
+        raise IntegrityError(
+            f"{path}: truncated ({size} bytes, a {want.size}-byte chunk needs "
+            f"{HEADER_SIZE + want.size})"
+        )
+
+
+def _kvikio_failure(path: str, want: ChunkMeta, exc: BaseException) -> Exception:
+    """The tier's error for a kvikio failure: explained by the file, or kvikio's own."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return FileNotFoundError(path)
+    except OSError:
+        size = -1
+    if 0 <= size < HEADER_SIZE + want.size:
+        return IntegrityError(f"{path}: truncated during the read ({size} bytes)")
+    return KvikioUnusable(f"kvikio failed reading {path}: {type(exc).__name__}: {exc}")
 
 
 def read_file_posix(path: str, want: ChunkMeta, mem: DeviceMemory, offset: int) -> None:
@@ -114,16 +219,29 @@ async def load_from_nvme(
 ) -> str:
     """Read ``meta``'s chunk file under ``nvme_root`` into a new GPU slot and publish it there.
 
-    Returns the path taken ("kvikio-gds", "kvikio-compat" or "posix"). Raises
+    Returns the path taken ("kvikio-" and :func:`kvikio_mode`, or "posix"; "posix" also when
+    kvikio was tried but could not read, see :class:`KvikioUnusable`). Raises
     :class:`ChunkMissing` when the file is gone, :class:`IntegrityError` when it is not the
-    expected chunk or its bytes are wrong, TierFull when the pool has no room.
+    expected chunk, is short or its bytes are wrong, TierFull when the pool has no room.
     """
     path = chunk_path(nvme_root, meta)
     if use_kvikio is None:
         use_kvikio = kvikio_importable() and not gpu.memory.host_addressable
-    reader: Any = read_file_kvikio if use_kvikio else read_file_posix
+    how = "posix"
+
+    def fill(mem: DeviceMemory, offset: int) -> None:
+        nonlocal how
+        if use_kvikio:
+            try:
+                read_file_kvikio(path, meta, mem, offset)
+                how = f"kvikio-{kvikio_mode()}"
+                return
+            except KvikioUnusable as exc:
+                log.warning("gpu: %s; reading %s the POSIX way", exc, path)
+        read_file_posix(path, meta, mem, offset)
+
     try:
-        await gpu.put_from(meta, lambda mem, offset: reader(path, meta, mem, offset))
+        await gpu.put_from(meta, fill)
     except FileNotFoundError:
         raise ChunkMissing(meta.key) from None
-    return f"kvikio-{kvikio_mode()}" if use_kvikio else "posix"
+    return how

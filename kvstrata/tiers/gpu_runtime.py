@@ -7,10 +7,15 @@ cudaHostRegister/Unregister, cudaStreamCreate/Destroy and cudaMemGetInfo
 may be larger than the tensor or (with ``expandable_segments``) not exportable with
 ``cudaIpcGetMemHandle`` at all. So the pool is one plain ``cudaMalloc`` that this module owns:
 
-- :class:`CudartRuntime` calls the ``libcudart`` that torch (or the ``nvidia-cuda-runtime-cu12``
-  wheel) already loaded, by ctypes; preferred because it needs nothing beyond torch.
+- :class:`CudartRuntime` calls, by ctypes, the ``libcudart`` that torch (or CuPy) already
+  loaded into the process, found in ``/proc/self/maps`` (:mod:`kvstrata.cudart`): never a
+  second runtime beside it, whose own last-error and device state would diverge.
 - :class:`CupyRuntime` calls ``cupy.cuda.runtime`` (``malloc``, ``ipcGetMemHandle``,
-  ``memcpyAsync``…) when libcudart cannot be found but CuPy is installed.
+  ``memcpyAsync``…) when no libcudart is loaded but CuPy is installed; only when neither is
+  there is a libcudart looked for on disk (wheels' CUDA 13 then CUDA 12 layouts, sonames).
+
+A failed call clears the runtime's last error (``cudaGetLastError``, as CuPy does), so that
+torch's next kernel-launch check does not report it against an unrelated kernel.
 
 Both use the primary context of the device, which torch, CuPy and kvikio share, so a pointer
 from one is valid in the others. Nothing here runs on a machine without CUDA; the GPU tier's
@@ -20,16 +25,16 @@ tests and ``scripts/gpu_check.py`` exercise it where a GPU exists.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import os
 from typing import Any, Protocol
+
+from kvstrata.cudart import clear_last_error, load_cudart
 
 #: cudaMemcpyDefault: direction inferred from the pointers (unified virtual addressing).
 MEMCPY_DEFAULT = 4
 #: cudaStreamNonBlocking: the stream does not synchronize with the legacy default stream.
 STREAM_NON_BLOCKING = 1
 IPC_HANDLE_BYTES = 64
-_CUDART_NAMES = ("libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so")
+PCI_BUS_ID_CHARS = 64  # "0000:17:00.0" needs 13; CUDA's docs ask for at least 13
 
 
 class CudaCallError(RuntimeError):
@@ -42,6 +47,8 @@ class CudaRuntime(Protocol):
     name: str
 
     def set_device(self, device: int) -> None: ...
+
+    def pci_bus_id(self, device: int) -> str: ...
 
     def malloc(self, nbytes: int) -> int: ...
 
@@ -64,25 +71,11 @@ class _IpcMemHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
 
 
-def find_cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library, preferring the one already loaded into this process."""
-    for name in _CUDART_NAMES:
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    try:  # the pip wheel torch and CuPy depend on (a namespace package)
-        import nvidia.cuda_runtime as wheel
-
-        for folder in wheel.__path__:
-            for name in _CUDART_NAMES:
-                path = os.path.join(folder, "lib", name)
-                if os.path.exists(path):
-                    return ctypes.CDLL(path)
-    except (ImportError, OSError):
-        pass
-    found = ctypes.util.find_library("cudart")
-    return ctypes.CDLL(found) if found else None
+def find_cudart(search: bool = True) -> ctypes.CDLL | None:
+    """The CUDA runtime library: the one torch or CuPy already loaded into this process, else
+    (with ``search``) one found by the wheels' layouts and sonames (:mod:`kvstrata.cudart`)."""
+    lib: ctypes.CDLL | None = load_cudart(search=search)
+    return lib
 
 
 class CudartRuntime:
@@ -103,20 +96,30 @@ class CudartRuntime:
             "cudaMemcpyAsync": [vp, vp, size_t, ctypes.c_int, vp],
             "cudaStreamSynchronize": [vp],
             "cudaMemset": [vp, ctypes.c_int, size_t],
+            "cudaDeviceGetPCIBusId": [ctypes.c_char_p, ctypes.c_int, ctypes.c_int],
         }
         for fn, args in sigs.items():
             getattr(lib, fn).argtypes = args
             getattr(lib, fn).restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaGetLastError.argtypes = []
+        lib.cudaGetLastError.restype = ctypes.c_int
 
     def _check(self, call: str, rc: int) -> None:
         if rc != 0:
+            clear_last_error(self._lib)  # else torch's next launch check reports this error
             text = self._lib.cudaGetErrorString(rc) or b"unknown error"
             raise CudaCallError(f"{call} failed: {text.decode(errors='replace')} ({rc})")
 
     def set_device(self, device: int) -> None:
         self._check("cudaSetDevice", self._lib.cudaSetDevice(device))
+
+    def pci_bus_id(self, device: int) -> str:
+        buf = ctypes.create_string_buffer(PCI_BUS_ID_CHARS)
+        rc = self._lib.cudaDeviceGetPCIBusId(buf, PCI_BUS_ID_CHARS, device)
+        self._check("cudaDeviceGetPCIBusId", rc)
+        return buf.value.decode("ascii", "replace")
 
     def malloc(self, nbytes: int) -> int:
         ptr = ctypes.c_void_p()
@@ -170,6 +173,9 @@ class CupyRuntime:
     def set_device(self, device: int) -> None:
         self._call("setDevice", device)
 
+    def pci_bus_id(self, device: int) -> str:
+        return str(self._call("deviceGetPCIBusId", device))
+
     def malloc(self, nbytes: int) -> int:
         return int(self._call("malloc", nbytes))
 
@@ -196,20 +202,17 @@ class CupyRuntime:
 
 
 def load_runtime() -> CudaRuntime:
-    """libcudart by ctypes when it can be found, else CuPy; raises CudaCallError if neither."""
-    try:  # importing torch loads its libcudart, which find_cudart() then picks up by soname
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.init()
-    except ImportError:
-        pass
-    lib = find_cudart()
+    """The runtime torch or CuPy already runs in this process (never a second one): libcudart
+    by ctypes when one is loaded (importing torch loads its own), else CuPy, else a libcudart
+    found on disk; raises CudaCallError if there is none."""
+    lib = find_cudart(search=False)
     if lib is not None:
         return CudartRuntime(lib)
     try:
         return CupyRuntime()
     except ImportError:
-        raise CudaCallError(
-            "no CUDA runtime: libcudart was not found and CuPy is not installed"
-        ) from None
+        pass
+    lib = find_cudart(search=True)
+    if lib is not None:
+        return CudartRuntime(lib)
+    raise CudaCallError("no CUDA runtime: libcudart was not found and CuPy is not installed")

@@ -80,7 +80,7 @@ def gpu_available(device: int = 0) -> tuple[bool, str]:
         return cupy_answer
     reasons = [a[1] for a in (torch_answer, cupy_answer) if a is not None]
     if not reasons:
-        return False, "neither torch nor CuPy is installed (pip install 'kvstrata[gpu]' or torch)"
+        return False, "neither torch nor CuPy is installed (torch, or kvstrata[gpu-cu13] / [gpu])"
     return False, "; ".join(reasons)
 
 

@@ -367,10 +367,11 @@ def kv_stats(ctx: Ctx, args: Args) -> Reply:
     "readonly fast",
     group="kv",
     summary="The shared memory regions a client maps once to read leased chunks.",
-    reply="Array of maps {name, kind (shm|cuda), size, path, device}.",
+    reply="Array of maps {name, kind (shm|cuda), size, path, device, pci_bus_id}.",
 )
 def kv_regions(ctx: Ctx, args: Args) -> Reply:
     return [
-        {"name": r.name, "kind": r.kind, "size": r.size, "path": r.path, "device": r.device}
+        {"name": r.name, "kind": r.kind, "size": r.size, "path": r.path, "device": r.device,
+         "pci_bus_id": r.pci_bus_id}
         for r in store_of(ctx).regions()
-    ]
+    ]  # fmt: skip
