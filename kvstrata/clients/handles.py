@@ -22,6 +22,14 @@ nodes, torch absent, or ``torch.cuda.is_available()`` False), so CPU-only engine
 
 A view stays valid while its lease is held: after ``release``/``commit`` the server may reuse the
 bytes, so copy out what must outlive the lease.
+
+Region identity: every region and every handle carries the ``instance`` identity of the server
+that made it (random per start, never a PID). Mappings are kept per instance, and a handle is
+only ever resolved through the mapping of its own instance: a client kept open across a server
+restart never reads the previous server's arena for a new lease (the clients re-read
+``KV.REGIONS`` when a handle names an instance they do not know, and refuse a handle whose
+region still does not match). :func:`unmap_regions` drops the mappings of instances that are
+gone; a mapping still used by live views stays until the last of them is freed.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from __future__ import annotations
 import functools
 import glob
 import threading
+import weakref
+from collections.abc import Iterable
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
@@ -48,6 +58,9 @@ __all__ = [
     "handle_view",
     "lease_tier",
     "map_shm",
+    "regions_stale",
+    "unmap_regions",
+    "update_regions",
 ]
 
 
@@ -59,24 +72,75 @@ class CudaUnavailable(RegionMapError):
     """A ``cuda`` handle was given but this process has no usable CUDA."""
 
 
-_lock = threading.Lock()
-_shm: dict[str, shared_memory.SharedMemory] = {}
-_retired: list[shared_memory.SharedMemory] = []
-_cuda: dict[tuple[str, int], int] = {}  # (IPC handle hex, device) -> device pointer
+_lock = threading.RLock()  # re-entrant: a mapping's finalizer may run while it is held
+_shm: dict[tuple[str, str], shared_memory.SharedMemory] = {}  # (instance, name) -> mapping
+
+
+class _CudaMapping:
+    """One opened IPC handle; closed when retired and no tensor made from it is alive."""
+
+    __slots__ = ("device", "live", "ptr", "retired")
+
+    def __init__(self, ptr: int, device: int) -> None:
+        self.ptr = ptr
+        self.device = device
+        self.live = 0
+        self.retired = False
+
+
+_cuda: dict[tuple[str, str, int], _CudaMapping] = {}  # (instance, IPC hex, device)
+
+
+def _key(region: RegionInfo) -> tuple[str, str]:
+    return (region.instance, region.path)
 
 
 def map_shm(region: RegionInfo) -> memoryview:
-    """The whole ``shm`` region as a writable memoryview (mapped once per process)."""
+    """The whole ``shm`` region as a writable memoryview (mapped once per process and
+    server instance)."""
     if region.kind != "shm":
         raise RegionMapError(f"region {region.name!r} is {region.kind!r}, not shm")
     with _lock:
-        shm = _shm.get(region.path)
+        shm = _shm.get(_key(region))
         if shm is None:
             shm = _open_shm(region)
-            _shm[region.path] = shm
+            _shm[_key(region)] = shm
     buf = shm.buf
     assert buf is not None
     return buf
+
+
+def _unmap_shm(shm: shared_memory.SharedMemory) -> bool:
+    """Close our mapping; True when live views still use it (it is then unmapped with the
+    last of them: we drop our reference to the mmap and close the descriptor)."""
+    try:
+        shm.close()
+        return False
+    except BufferError:  # the views keep the memoryview and the mmap alive on their own
+        setattr(shm, "_buf", None)  # noqa: B010
+        setattr(shm, "_mmap", None)  # noqa: B010
+        shm.close()
+        return True
+
+
+def unmap_regions(regions: Iterable[RegionInfo]) -> int:
+    """Forget the mappings of ``regions`` (of a server instance that is gone): no handle is
+    resolved through them again. Returns how many stay mapped for live views until those are
+    freed (shm), or until the last tensor from them is (cuda)."""
+    busy = 0
+    with _lock:
+        for region in regions:
+            shm = _shm.pop(_key(region), None)
+            if shm is not None:
+                busy += _unmap_shm(shm)
+            mapping = _cuda.pop((region.instance, region.path, region.device), None)
+            if mapping is not None:
+                mapping.retired = True
+                if mapping.live:
+                    busy += 1
+                else:
+                    _ipc_close(mapping)
+    return busy
 
 
 def _open_shm(region: RegionInfo) -> shared_memory.SharedMemory:
@@ -97,9 +161,45 @@ def _open_shm(region: RegionInfo) -> shared_memory.SharedMemory:
     return shm
 
 
+def regions_stale(regions: dict[str, RegionInfo], handles: Iterable[Handle]) -> bool:
+    """True when a handle names a region, or an instance of it, that ``regions`` lacks."""
+    for h in handles:
+        region = regions.get(h.region)
+        if region is None or region.instance != h.instance:
+            return True
+    return False
+
+
+def update_regions(
+    old: dict[str, RegionInfo], new: list[RegionInfo], handles: Iterable[Handle] = ()
+) -> dict[str, RegionInfo]:
+    """The region table from a fresh ``KV.REGIONS`` reply. Regions of ``old`` that the server
+    no longer lists (its instance is gone: restarted) are unmapped. Raises RegionMapError when
+    ``handles`` still name regions the reply lacks."""
+    table = {r.name: r for r in new}
+    current = set(table.values())
+    unmap_regions(r for r in old.values() if r not in current)
+    for h in handles:
+        region = table.get(h.region)
+        if region is None:
+            raise RegionMapError(f"unknown region {h.region!r} (not in KV.REGIONS)")
+        if region.instance != h.instance:
+            raise RegionMapError(
+                f"handle of region {h.region!r} is of server instance {h.instance!r}, "
+                f"KV.REGIONS lists instance {region.instance!r}"
+            )
+    return table
+
+
 def _check_bounds(region: RegionInfo, handle: Handle) -> None:
     if handle.region != region.name:
         raise RegionMapError(f"handle is in region {handle.region!r}, not {region.name!r}")
+    if handle.instance != region.instance:
+        raise RegionMapError(
+            f"handle of region {handle.region!r} belongs to server instance "
+            f"{handle.instance or '?'!r}, the region mapped here to {region.instance or '?'!r} "
+            "(the server restarted: lease again)"
+        )
     if handle.offset < 0 or handle.length < 0 or handle.offset + handle.length > region.size:
         raise RegionMapError(f"handle {handle} lies outside region {region.name!r}")
 
@@ -148,17 +248,37 @@ def handle_tensor(region: RegionInfo, handle: Handle, dtype: Any = None) -> Any:
 def _cuda_tensor(region: RegionInfo, handle: Handle, dtype: Any) -> Any:
     import torch
 
-    ptr = _open_cuda(region)
-    nbytes = handle.length
-    holder = _CudaArray(ptr + handle.offset, nbytes)
+    holder = _cuda_array(region, handle)
     flat = torch.as_tensor(holder, device=f"cuda:{region.device}")
     return flat.view(dtype)
+
+
+def _cuda_array(region: RegionInfo, handle: Handle) -> _CudaArray:
+    """The handle's device bytes; the mapping stays open while the returned object lives
+    (tensors and CuPy arrays made from it keep it alive)."""
+    mapping = _open_cuda(region)
+    holder = _CudaArray(mapping.ptr + handle.offset, handle.length)
+    with _lock:
+        mapping.live += 1
+    weakref.finalize(holder, _cuda_unused, mapping)
+    return holder
+
+
+def _cuda_unused(mapping: _CudaMapping) -> None:
+    with _lock:
+        mapping.live -= 1
+        if mapping.live or not mapping.retired:
+            return
+    _ipc_close(mapping)
 
 
 class _CudaArray:
     """Exposes device memory through ``__cuda_array_interface__`` (no copy, no ownership)."""
 
+    __slots__ = ("__cuda_array_interface__", "__weakref__", "ptr")
+
     def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr = ptr
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -178,8 +298,8 @@ def handle_cupy(region: RegionInfo, handle: Handle, dtype: Any = np.uint8) -> An
     dt = np.dtype(dtype)
     if handle.length % dt.itemsize:
         raise ValueError(f"{handle.length} bytes are not a whole number of {dt} items")
-    ptr = _open_cuda(region)
-    memory = cupy.cuda.UnownedMemory(ptr + handle.offset, handle.length, None, region.device)
+    holder = _cuda_array(region, handle)
+    memory = cupy.cuda.UnownedMemory(holder.ptr, handle.length, holder, region.device)
     pointer = cupy.cuda.MemoryPointer(memory, 0)
     return cupy.ndarray((handle.length // dt.itemsize,), dtype=dt, memptr=pointer)
 
@@ -205,17 +325,40 @@ def lease_tier(tier: str | None) -> str | None:
     return None if cuda_usable() else "dram"
 
 
-def _open_cuda(region: RegionInfo) -> int:
+def _open_cuda(region: RegionInfo) -> _CudaMapping:
     if region.kind != "cuda":
         raise RegionMapError(f"region {region.name!r} is {region.kind!r}, not cuda")
-    key = (region.path, region.device)
+    key = (region.instance, region.path, region.device)
     with _lock:
-        ptr = _cuda.get(key)
-        if ptr is None:
+        mapping = _cuda.get(key)
+        if mapping is None:
             raw = bytes.fromhex(region.path)
-            ptr = _ipc_open(raw, max(region.device, 0))
-            _cuda[key] = ptr
-    return ptr
+            device = max(region.device, 0)
+            mapping = _CudaMapping(_ipc_open(raw, device), device)
+            _cuda[key] = mapping
+    return mapping
+
+
+def _ipc_close(mapping: _CudaMapping) -> None:
+    """Close an IPC mapping of a gone server instance (best effort: CuPy, else libcudart)."""
+    try:
+        import cupy
+
+        with cupy.cuda.Device(mapping.device):
+            cupy.cuda.runtime.ipcCloseMemHandle(mapping.ptr)
+        return
+    except ImportError:
+        pass
+    except Exception:  # the process may have lost its CUDA context
+        return
+    try:
+        import ctypes
+
+        lib = _cudart()
+        lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+        lib.cudaIpcCloseMemHandle(ctypes.c_void_p(mapping.ptr))
+    except Exception:
+        pass
 
 
 def _ipc_open(raw: bytes, device: int) -> int:
@@ -312,15 +455,11 @@ class HandleViews:
 
 
 def close_all() -> int:
-    """Unmap the regions this process mapped; returns how many stay mapped because a live
+    """Unmap the shm regions this process mapped; returns how many stay mapped because a live
     numpy/torch view still uses them (those views stay valid; a later lease maps afresh)."""
     with _lock:
         busy = 0
-        for name, shm in list(_shm.items()):
-            try:
-                shm.close()
-            except BufferError:  # close() already dropped shm.buf: retire it, remap on demand
-                busy += 1
-                _retired.append(shm)  # the mapping lives as long as the views into it
-            del _shm[name]
+        for key, shm in list(_shm.items()):
+            busy += _unmap_shm(shm)
+            del _shm[key]
     return busy

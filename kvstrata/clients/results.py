@@ -46,22 +46,27 @@ class TokenMatch:
 
 @dataclass(frozen=True, slots=True)
 class RegionInfo:
-    """A shared region (``KV.REGIONS``): ``shm`` (shared-memory name) or ``cuda`` (IPC handle)."""
+    """A shared region (``KV.REGIONS``): ``shm`` (shared-memory name) or ``cuda`` (IPC handle).
+    ``instance`` is the region's identity in one server instance (random per start; empty from
+    servers that do not send one)."""
 
     name: str
     kind: str
     size: int
     path: str
     device: int = -1
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Handle:
-    """Where one chunk's bytes lie: ``length`` bytes at ``offset`` inside region ``region``."""
+    """Where one chunk's bytes lie: ``length`` bytes at ``offset`` inside region ``region`` of
+    the server instance ``instance`` (see :class:`RegionInfo`)."""
 
     region: str
     offset: int
     length: int
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +107,9 @@ def as_map(value: Any) -> dict[str, Any]:
 
 
 def parse_handle(value: Any) -> Handle:
-    region, offset, length = value
-    return Handle(as_str(region), as_int(offset), as_int(length))
+    region, offset, length, *rest = value
+    instance = as_str(rest[0]) if rest and rest[0] is not None else ""
+    return Handle(as_str(region), as_int(offset), as_int(length), instance)
 
 
 def parse_region(value: Any) -> RegionInfo:
@@ -115,4 +121,5 @@ def parse_region(value: Any) -> RegionInfo:
         size=as_int(m["size"]),
         path=as_str(m.get("path", b"")),
         device=-1 if device is None else as_int(device),
+        instance=as_str(m.get("instance") or b""),
     )

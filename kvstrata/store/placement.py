@@ -16,6 +16,10 @@ Policy, per tier:
   tier drops a victim whose write-back to s3 fails (outage) rather than stall.
 - ``{tier}-write-policy = write-through``: PUTs write that tier before they are acknowledged
   (done by the write path through :meth:`Placement.put_with_room`).
+- Every copy between tiers is verified against the record's checksum (the source's bytes before
+  a write-back, the destination's bytes after a promotion); a mismatch drops the chunk from
+  every tier and counts an integrity error (``StoreState.corrupt``), so it is never kept and
+  served again.
 
 Victims come from one :class:`~kvstrata.store.lru.LruHeap` per tier, kept current by the
 index through :meth:`Placement.changed` (amortized O(log n) per change and per victim; see
@@ -44,6 +48,16 @@ from kvstrata.tiers.base import (
 from kvstrata.tiers.checksum import checksum
 
 log = logging.getLogger("kvstrata.store.placement")
+
+
+class ChecksumMismatch(IntegrityError):
+    """The store found bytes that do not match the record's checksum (the tier did not)."""
+
+
+def check_bytes(rec: ChunkRecord, src: Tier, data: Buffer, meta: ChunkMeta | None = None) -> None:
+    """Raise ChecksumMismatch unless ``data`` (and the tier's ``meta``) match ``rec``."""
+    if (meta is not None and meta.checksum != rec.checksum) or checksum(data) != rec.checksum:
+        raise ChecksumMismatch(f"{src.name}: checksum mismatch for {rec.key.hex}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +271,10 @@ class Placement:
                 continue
             try:
                 await self.put_with_room(j, meta, data)
+            except IntegrityError as exc:  # the tier checked the bytes: the source changed
+                what = f"write-back of {rec.key.hex[:16]}"
+                await state.drop_corrupt(rec, src.name, what, exc, False)
+                return None
             except TierError as exc:
                 state.tier_error(dst.name, f"write-back of {rec.key.hex[:16]}", exc)
                 continue
@@ -266,19 +284,19 @@ class Placement:
         return None
 
     async def read_copy(self, rec: ChunkRecord, src: Tier) -> Buffer | None:
-        """The bytes of ``rec`` in ``src`` (a view for host memory tiers, else a fresh buffer,
-        checked against the record's checksum); None when unreadable (copy dropped)."""
-        if isinstance(src, MemoryTier) and src.name != "gpu":
-            return src.view(rec.key)
-        buf = bytearray(rec.size)
+        """The bytes of ``rec`` in ``src`` (a view for host memory tiers, else a fresh buffer),
+        checked against the record's checksum; None when unreadable (a missing copy is
+        dropped, a corrupt one drops the chunk everywhere)."""
         try:
+            if isinstance(src, MemoryTier) and src.name != "gpu":
+                view = src.view(rec.key)
+                check_bytes(rec, src, view)
+                return view
+            buf = bytearray(rec.size)
             meta = await src.get(rec.key, memoryview(buf))
-            if meta.checksum != rec.checksum or checksum(buf) != rec.checksum:
-                raise IntegrityError(f"{src.name}: checksum mismatch for {rec.key.hex}")
+            check_bytes(rec, src, buf, meta)
         except TierError as exc:
-            self.state.tier_error(src.name, f"read of {rec.key.hex[:16]}", exc)
-            if isinstance(exc, IntegrityError | ChunkMissing):
-                await self.state.delete_copy(rec, src.name)
+            await self.bad_copy(rec, src, exc)
             return None
         self.state.counters[src.name].bytes_out += rec.size
         return buf
@@ -319,17 +337,13 @@ class Placement:
         committed = False
         try:
             meta = await src.get(key, view)
-            if meta.checksum != rec.checksum or checksum(view) != rec.checksum:
-                raise IntegrityError(f"{src.name}: checksum mismatch for {key.hex}")
+            check_bytes(rec, src, view, meta)
             if not rec.alive:
                 return None
             dram.commit(rec.meta())
             committed = True
         except TierError as exc:
-            state.tier_error(src.name, f"read of {key.hex[:16]}", exc)
-            if isinstance(exc, IntegrityError | ChunkMissing):
-                await state.delete_copy(rec, src.name)
-                state.drop_if_gone(rec)
+            await self.bad_copy(rec, src, exc)
             return None
         finally:
             if not committed:
@@ -338,6 +352,20 @@ class Placement:
         state.counters[dram.name].bytes_in += rec.size
         state.counters[src.name].bytes_out += rec.size
         return True
+
+    async def bad_copy(self, rec: ChunkRecord, src: Tier, exc: TierError) -> None:
+        """A read of ``rec`` from ``src`` failed: a corrupt copy drops the chunk from every
+        tier; a missing one drops that copy; anything else (I/O) is only counted."""
+        state = self.state
+        what = f"read of {rec.key.hex[:16]}"
+        if isinstance(exc, IntegrityError):
+            counted = not isinstance(exc, ChecksumMismatch)  # the tier counted its own finding
+            await state.drop_corrupt(rec, src.name, what, exc, counted)
+            return
+        state.tier_error(src.name, what, exc)
+        if isinstance(exc, ChunkMissing):
+            await state.delete_copy(rec, src.name)
+            state.drop_if_gone(rec)
 
     async def put_with_room(self, j: int, meta: ChunkMeta, data: Buffer) -> None:
         """Store ``data`` in tier ``j``, making room first if needed; raises TierError.

@@ -96,6 +96,7 @@ class Region:
     size: int
     path: str  # shm name (for /dev/shm) or hex CUDA IPC handle
     device: int = -1  # CUDA device ordinal, -1 for host memory
+    instance: str = ""  # identity of this region in this server instance (random, not a PID)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,7 @@ class Handle:
     region: str
     offset: int
     length: int
+    instance: str = ""  # the region's instance identity (Region.instance)
 
 
 class Tier(ABC):

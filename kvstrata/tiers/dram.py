@@ -1,6 +1,9 @@
 """The DRAM tier: one pre-touched arena in POSIX shared memory, optionally CUDA-pinned.
 
-The arena is created once (``/dev/shm/{prefix}-{pid}-{n}``), written to page by page at start
+The arena is created once (``/dev/shm/{prefix}-{instance}-{n}``, where ``instance`` is a random
+identity of this tier, never the PID: in a container the server is PID 1 after every restart, and
+a client still mapping the previous ``kvstrata-1-0`` would read a dead arena), written to page
+by page at start
 so later copies run at memcpy speed instead of page-fault speed, and carved by an
 :class:`~kvstrata.tiers.alloc.OffsetAllocator` into 4096-aligned slots. Other processes map it
 by name (``regions()``) and read a chunk at its ``handle()`` offset without a copy.
@@ -40,7 +43,7 @@ import numpy as np
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _cuda
-from kvstrata.tiers.arena import ArenaTier, byte_view
+from kvstrata.tiers.arena import ArenaTier, byte_view, new_instance_id
 from kvstrata.tiers.base import Buffer, Region, TierUnavailable, register_tier
 
 log = logging.getLogger(__name__)
@@ -111,10 +114,10 @@ def _held(path: str) -> bool:
 def reclaim_stale_arenas(
     prefix: str, shm_dir: str = "/dev/shm", min_age: float = STALE_AFTER_SECONDS
 ) -> list[str]:
-    """Unlink ``{prefix}-{pid}-{n}`` segments that no live server holds (killed without
-    close()). A segment younger than ``min_age`` seconds is left alone: its server may not have
-    taken its lock yet."""
-    pattern = re.compile(rf"{re.escape(prefix)}-(\d+)-\d+")
+    """Unlink ``{prefix}-{instance}-{n}`` segments (and the ``{prefix}-{pid}-{n}`` ones of older
+    versions) that no live server holds (killed without close()). A segment younger than
+    ``min_age`` seconds is left alone: its server may not have taken its lock yet."""
+    pattern = re.compile(rf"{re.escape(prefix)}-([0-9a-f]{{16}}|\d+)-\d+")
     try:
         names = os.listdir(shm_dir)
     except OSError:
@@ -153,7 +156,8 @@ class DramTier(ArenaTier):
         self.config = config
         size = (config.capacity + PAGE - 1) // PAGE * PAGE
         self.reclaimed = reclaim_stale_arenas(config.name_prefix)
-        shm_name = f"{config.name_prefix}-{os.getpid()}-{next(_arena_numbers)}"
+        instance = new_instance_id()
+        shm_name = f"{config.name_prefix}-{instance}-{next(_arena_numbers)}"
         try:
             self._shm = shared_memory.SharedMemory(name=shm_name, create=True, size=size)
         except OSError as exc:
@@ -166,7 +170,7 @@ class DramTier(ArenaTier):
         buf = self._shm.buf
         assert buf is not None
         self._buf: memoryview = buf
-        super().__init__(size, config.region)
+        super().__init__(size, config.region, instance)
         started = time.perf_counter()
         self._pretouch()
         self.touch_seconds = time.perf_counter() - started
@@ -215,7 +219,9 @@ class DramTier(ArenaTier):
         return self._buf[slot.offset : slot.offset + slot.length]
 
     def regions(self) -> list[Region]:
-        return [Region(self.region_name, "shm", self._alloc.capacity, self._shm.name)]
+        return [
+            Region(self.region_name, "shm", self._alloc.capacity, self._shm.name, -1, self.instance)
+        ]
 
     # -- async contract -----------------------------------------------------------------
 

@@ -17,7 +17,9 @@ slot with any blocking function (kvikio reading NVMe straight into the slot), ``
 lends a committed slot to one (kvikio writing it out).
 
 Copies run on a small executor (``copy-threads``), never on the event loop. A slot being read
-is not reused until the read ends: a delete or replacement during a copy defers the free.
+is held (:meth:`~kvstrata.tiers.arena.ArenaTier.hold`) until the read ends: a delete or
+replacement during a copy defers the free. The pool's ``instance`` identity (random per start)
+is in every handle and in ``regions()``, next to the IPC handle.
 The chunk table (reserved vs committed, replace = publish new then free old) is
 :class:`~kvstrata.tiers.arena.ArenaTier`'s, shared with the DRAM tier.
 """
@@ -102,8 +104,6 @@ class GpuTier(ArenaTier):
         except CudaCallError as exc:
             self._mem.close()
             raise TierUnavailable(f"gpu: cudaIpcGetMemHandle failed: {exc}") from exc
-        self._readers: dict[int, int] = {}  # offset -> copies reading it now
-        self._deferred: set[int] = set()  # offsets to free when their last reader ends
         self._pool = ThreadPoolExecutor(config.copy_threads, thread_name_prefix="kvstrata-gpu")
 
     @property
@@ -114,7 +114,7 @@ class GpuTier(ArenaTier):
 
     def reserve_handle(self, key: ChunkKey, nbytes: int) -> Handle:
         """Reserve an invisible slot (KV.RESERVE into the GPU); commit()/abort() end it."""
-        return Handle(self.region_name, self._reserve(key, nbytes), nbytes)
+        return Handle(self.region_name, self._reserve(key, nbytes), nbytes, self.instance)
 
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
         if not self._mem.host_addressable:
@@ -142,7 +142,14 @@ class GpuTier(ArenaTier):
 
     def regions(self) -> list[Region]:
         return [
-            Region(self.region_name, "cuda", self._alloc.capacity, self._ipc_hex, self._mem.device)
+            Region(
+                self.region_name,
+                "cuda",
+                self._alloc.capacity,
+                self._ipc_hex,
+                self._mem.device,
+                self.instance,
+            )
         ]
 
     # -- async contract -----------------------------------------------------------------
@@ -205,12 +212,12 @@ class GpuTier(ArenaTier):
         self.stats.bytes_out += n
 
     async def _read_slot(self, slot: Slot, use: Callable[[DeviceMemory, int], T]) -> None:
-        self._readers[slot.offset] = self._readers.get(slot.offset, 0) + 1
+        self.hold(slot.offset)
         started = time.perf_counter()
         try:
             await self._run(use, self._mem, slot.offset)
         finally:
-            self._end_read(slot.offset)
+            self.unhold(slot.offset)
         self.stats.seconds_out += time.perf_counter() - started
 
     def info(self) -> dict[str, Any]:
@@ -238,22 +245,6 @@ class GpuTier(ArenaTier):
         except CudaCallError as exc:
             self.stats.errors += 1
             raise TierError(f"gpu: {exc}") from exc
-
-    def _free(self, offset: int) -> None:
-        if self._readers.get(offset):
-            self._deferred.add(offset)
-        else:
-            self._alloc.free(offset)
-
-    def _end_read(self, offset: int) -> None:
-        left = self._readers[offset] - 1
-        if left:
-            self._readers[offset] = left
-            return
-        del self._readers[offset]
-        if offset in self._deferred and not self._closed:
-            self._deferred.discard(offset)
-            self._alloc.free(offset)
 
 
 # Registered by call rather than as a decorator so that type checkers keep the class type.

@@ -361,10 +361,12 @@ def kv_stats(ctx: Ctx, args: Args) -> Reply:
     "readonly fast",
     group="kv",
     summary="The shared memory regions a client maps once to read leased chunks.",
-    reply="Array of maps {name, kind (shm|cuda), size, path, device}.",
+    reply="Array of maps {name, kind (shm|cuda), size, path, device, instance}; instance is "
+    "the region's identity in this server instance (random per start), also in every handle.",
 )
 def kv_regions(ctx: Ctx, args: Args) -> Reply:
     return [
-        {"name": r.name, "kind": r.kind, "size": r.size, "path": r.path, "device": r.device}
+        {"name": r.name, "kind": r.kind, "size": r.size, "path": r.path, "device": r.device,
+         "instance": r.instance}
         for r in store_of(ctx).regions()
-    ]
+    ]  # fmt: skip
