@@ -154,13 +154,13 @@ def test_a_holder_past_lease_fence_max_gets_leaselimit(srv: RunningServer, r: re
         kv.execute_command("KV.PUT", NS, b"A", b"", content(0))
         lease_id, _ = kv.execute_command("KV.LEASE", NS, b"A", "TTL", 50)
         assert wait_for(lambda: info(r)["kv_fenced_leases"] == 1)
-        with pytest.raises(redis.ResponseError, match="^LEASELIMIT .*lease-fence-max"):
+        with pytest.raises(redis.ResponseError, match=r"^LEASELIMIT .*lease-fence-max"):
             kv.execute_command("KV.LEASE", NS, b"A")
-        with pytest.raises(redis.ResponseError, match="^LEASELIMIT"):
+        with pytest.raises(redis.ResponseError, match=r"^LEASELIMIT"):
             kv.execute_command("KV.RESERVE", NS, b"B", b"", 10)
         other, _ = r.execute_command("KV.LEASE", NS, b"A")
         assert other and r.execute_command("KV.RELEASE", other) == b"OK"
-        with pytest.raises(redis.ResponseError, match="^NOLEASE .*expired"):
+        with pytest.raises(redis.ResponseError, match=r"^NOLEASE .*expired"):
             kv.execute_command("KV.RELEASE", lease_id)
         again, _ = kv.execute_command("KV.LEASE", NS, b"A")
         assert again and kv.execute_command("KV.RELEASE", again) == b"OK"
@@ -179,12 +179,12 @@ def test_lease_count_limits_per_connection_and_in_total(srv: RunningServer, r: r
     a, b = redis.Redis(port=srv.port), redis.Redis(port=srv.port)
     try:
         held = [a.execute_command("KV.LEASE", NS, b"A")[0] for _ in range(2)]
-        with pytest.raises(redis.ResponseError, match="^LEASELIMIT .*lease-max-per-client 2"):
+        with pytest.raises(redis.ResponseError, match=r"^LEASELIMIT .*lease-max-per-client 2"):
             a.execute_command("KV.LEASE", NS, b"A")
-        with pytest.raises(redis.ResponseError, match="^LEASELIMIT .*lease-max-per-client"):
+        with pytest.raises(redis.ResponseError, match=r"^LEASELIMIT .*lease-max-per-client"):
             a.execute_command("KV.RESERVE", NS, b"W", b"", 10)
         b.execute_command("KV.LEASE", NS, b"A")
-        with pytest.raises(redis.ResponseError, match="^LEASELIMIT .*lease-max 3"):
+        with pytest.raises(redis.ResponseError, match=r"^LEASELIMIT .*lease-max 3"):
             b.execute_command("KV.LEASE", NS, b"A")
         assert a.execute_command("KV.RELEASE", held[0]) == b"OK"
         assert b.execute_command("KV.LEASE", NS, b"A")[0]
