@@ -21,9 +21,10 @@ from kvstrata.clients import commands as cmd
 from kvstrata.clients.aioconn import AsyncConnectionPool
 from kvstrata.clients.commands import Call, HashLike
 from kvstrata.clients.connection import ConnectionSettings
-from kvstrata.clients.handles import lease_tier, regions_stale, update_regions
+from kvstrata.clients.handles import lease_tier
 from kvstrata.clients.leases import LeaseBase, WriteLeaseBase
 from kvstrata.clients.pipeline import PipelineBase
+from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.results import Handle, RegionInfo
 from kvstrata.clients.sync import settings_from_url
 

@@ -23,9 +23,10 @@ from urllib.parse import unquote, urlparse
 from kvstrata.clients import commands as cmd
 from kvstrata.clients.commands import Call, HashLike
 from kvstrata.clients.connection import ConnectionPool, ConnectionSettings
-from kvstrata.clients.handles import lease_tier, regions_stale, update_regions
+from kvstrata.clients.handles import lease_tier
 from kvstrata.clients.leases import LeaseBase, WriteLeaseBase
 from kvstrata.clients.pipeline import PipelineBase
+from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.results import Handle, RegionInfo
 
 __all__ = ["Client", "Lease", "Pipeline", "WriteLease", "settings_from_url"]
