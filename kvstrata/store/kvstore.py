@@ -385,6 +385,7 @@ class KVStore:
             ("kv_leases", len(self.state.leases)),
             ("kv_leases_expired", self.state.leases.expired),
             ("kv_leases_refused", self.state.leases.refused),
+            ("kv_leased_bytes", self.state.leases.pinned_bytes()),
             ("kv_fenced_leases", len(self.state.fences)),
             ("kv_fenced_bytes", self.state.fences.nbytes),
             ("kv_fenced_total", self.state.fences.fenced_total),
