@@ -48,7 +48,7 @@ WORKER = textwrap.dedent(
     rng = random.Random(me)
     SIZES = (16384, 65536, 131072)
     stats = {"checked": 0, "wrong": 0, "late_commits": 0, "late_refused": 0, "ops": 0,
-             "limits": 0, "oom": 0}
+             "limits": 0, "oom": 0, "expired": 0}
 
     def key(w, n):
         return b"%02d%06d" % (w, n)
@@ -135,6 +135,8 @@ WORKER = textwrap.dedent(
             held.clear()
         except (OutOfMemoryError, BusyError):
             stats["oom"] += 1
+        except LeaseError:  # a lease this busy machine let expire before its release/commit
+            stats["expired"] += 1
         if time.monotonic() - last > 0.5:
             last = time.monotonic()
             report()
