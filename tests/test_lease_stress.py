@@ -186,6 +186,7 @@ def test_concurrent_leases_under_pressure_never_show_foreign_bytes(
             assert p.returncode == 0, out
         reports.append(last_report(early[i] + out))
     total = {k: sum(r[k] for r in reports) for k in reports[0]}
+    print("stress totals:", total)  # shown with pytest -s
     assert total["wrong"] == 0, reports
     assert total["late_commits"] == 0, reports
     assert total["checked"] > 0 and total["late_refused"] > 0, total
