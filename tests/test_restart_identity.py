@@ -10,6 +10,7 @@ again on the same port while one :class:`~kvstrata.clients.Client` stays open.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -17,14 +18,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 
-from kvstrata.clients import Client
+from kvstrata.clients import AsyncClient, Client
 from kvstrata.clients import handles as client_handles
-from tests.conftest import free_port
+from tests.conftest import RunningServer, free_port
 
 NS = "restart@u8@c16"
 SIZE = 64 * 1024
@@ -42,7 +44,6 @@ def _unshare_works() -> str | None:
 
 
 WHY = _unshare_works()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 
 class Pid1Server:
@@ -95,6 +96,7 @@ def _reconnect(kv: Client, limit: float = 10.0) -> None:
             time.sleep(0.05)
 
 
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["graceful", "kill-9"])
 def test_client_across_pid1_restarts_reads_the_new_arena(tmp_path: Path, sig: int) -> None:
     """Scenario: put A, lease A (kept), stop the PID-1 server (SIGTERM or kill -9), start it
@@ -139,3 +141,40 @@ def test_client_across_pid1_restarts_reads_the_new_arena(tmp_path: Path, sig: in
             first.stop(signal.SIGKILL)
         if old_path and sig == signal.SIGKILL:  # a killed server cannot unlink its arena
             Path("/dev/shm", old_path).unlink(missing_ok=True)
+
+
+def test_async_client_across_a_restart_maps_the_new_instance(
+    make_server: Callable[..., RunningServer], tmp_path: Path
+) -> None:
+    """The same with the asyncio client and an in-process server stopped and started again on
+    the same port: the second lease reads the new arena, and the first instance's mapping is
+    dropped from the client's table."""
+    port = free_port()
+
+    async def lease_bytes(kv: AsyncClient, h: bytes) -> tuple[bytes, str]:
+        for _ in range(100):
+            try:
+                await kv.put(NS, h, None, h * SIZE)
+                break
+            except (ConnectionError, OSError):  # the pooled connection died with the server
+                await asyncio.sleep(0.05)
+        lease = await kv.lease(NS, [h])
+        assert lease is not None
+        try:
+            return bytes(lease.views()[0]), lease.handles[0].instance
+        finally:
+            await lease.release()
+
+    async def main() -> None:
+        first = make_server(port=port, data_dir=tmp_path / "a", nvme_capacity="0")
+        kv = await AsyncClient.connect(port=port)
+        got, old = await lease_bytes(kv, b"A")
+        assert got == b"A" * SIZE
+        first.stop()
+        make_server(port=port, data_dir=tmp_path / "b", nvme_capacity="0")
+        got, new = await lease_bytes(kv, b"B")
+        assert got == b"B" * SIZE and new != old
+        assert old not in {inst for inst, _ in client_handles._shm}
+        await kv.close()
+
+    asyncio.run(main())
