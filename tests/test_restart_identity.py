@@ -134,6 +134,12 @@ def test_client_across_pid1_restarts_reads_the_new_arena(tmp_path: Path, sig: in
             assert bytes(view_a) == b"A" * SIZE  # the old mapping lives as long as its view
             lease_b.release()
             kv.close()
+            # the dead instance's arena leaves /dev/shm (a killed server's, once it is stale)
+            gone = Path("/dev/shm", old_path)
+            deadline = time.monotonic() + 15
+            while gone.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not gone.exists(), f"{gone} of the {sig!r}-stopped server is left behind"
         finally:
             second.stop(signal.SIGTERM)
     finally:

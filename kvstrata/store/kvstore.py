@@ -37,6 +37,7 @@ from kvstrata.store.kvstore_write import StoreSink, WritePath
 from kvstrata.store.leases import NO_HOLDER, Holder, Lease, ReadLease, WriteLease, run_sweeper
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import MemoryTier, Region, Tier
+from kvstrata.tiers.dram import STALE_AFTER_SECONDS, DramTier
 
 log = logging.getLogger("kvstrata.store")
 
@@ -103,7 +104,16 @@ class KVStore:
                 self.placement.run_demoter(0.05), name="kv demoter"
             ),
             asyncio.get_running_loop().create_task(self.hints.prefetch.run(), name="kv prefetch"),
+            asyncio.get_running_loop().create_task(self._reclaim_later(), name="kv reclaim"),
         ]
+
+    async def _reclaim_later(self) -> None:
+        """Once segments of a predecessor killed just before our start are old enough to be
+        told from a server still starting, unlink them (see ``tiers.dram``)."""
+        await asyncio.sleep(STALE_AFTER_SECONDS + 1)
+        for tier in self.state.tiers:
+            if isinstance(tier, DramTier):
+                tier.reclaim_stale()
 
     async def close(self) -> None:
         for task in self._background:

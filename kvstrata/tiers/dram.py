@@ -17,8 +17,11 @@ Everything here runs on the event loop without awaiting: a copy of a 32 MiB chun
 milliseconds of memcpy.
 
 Segments of processes killed before ``close()`` are reclaimed when the next tier with the same
-prefix starts: every server holds a shared ``flock`` on its own segment for its whole life, so a
-segment nobody holds is stale (this works across PID namespaces sharing ``/dev/shm``).
+prefix starts, and once more :data:`STALE_AFTER_SECONDS` later (:meth:`DramTier.reclaim_stale`,
+called by the store: a server restarted at once after a kill -9 would otherwise keep its
+predecessor's arena in ``/dev/shm`` until its own restart). Every server holds a shared
+``flock`` on its own segment for its whole life, so a segment nobody holds is stale (this works
+across PID namespaces sharing ``/dev/shm``).
 
 Python 3.11's resource tracker would unlink the segment when *any* process that attached it
 exits; the tier unregisters it after creating it and unlinks it itself on ``close()`` (or at
@@ -201,6 +204,12 @@ class DramTier(ArenaTier):
         level = logging.WARNING if self.config.pin == "yes" else logging.INFO
         log.log(level, "dram arena %s not pinned: %s", self._shm.name, reason)
         return 0, reason
+
+    def reclaim_stale(self) -> list[str]:
+        """Unlink the stale arenas of this prefix found now (never our own: we hold it)."""
+        found = reclaim_stale_arenas(self.config.name_prefix)
+        self.reclaimed += found
+        return found
 
     @property
     def arena_name(self) -> str:
