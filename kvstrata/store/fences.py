@@ -19,12 +19,13 @@ this way is bounded by ``lease-fence-max`` bytes: past it, that connection's new
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvstrata.protocol.errors import LeaseLimitError
-from kvstrata.store.leases import Holder
+from kvstrata.store.leases import Holder, Lease, ReadLease
 from kvstrata.tiers.arena import ArenaTier
+from kvstrata.tiers.base import Handle
 
 log = logging.getLogger("kvstrata.store")
 
@@ -83,6 +84,17 @@ class FenceTable:
         self._bytes[holder.id] = self._bytes.get(holder.id, 0) + fence.nbytes
         self.fenced_total += 1
         return fence
+
+    def fence_expired(self, lease: Lease, tier_of: Callable[[Handle], ArenaTier]) -> bool:
+        """Called for a lease that just expired, before it ends: fence its slots when its
+        holder is still connected (True), else nothing to do (False)."""
+        if not lease.holder.alive():
+            return False
+        handles = lease.handles if isinstance(lease, ReadLease) else (lease.handle,)
+        self.add(
+            lease.id, lease.holder, [FencedSlot(tier_of(h), h.offset, h.length) for h in handles]
+        )
+        return True
 
     def end(self, lease_id: str) -> bool:
         """End one fence (the holder is done with the expired lease); False if none."""

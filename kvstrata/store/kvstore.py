@@ -22,7 +22,6 @@ from typing import Any
 
 from kvstrata.config import Config
 from kvstrata.protocol.errors import CommandError
-from kvstrata.store.fences import FencedSlot
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace, now_ms
@@ -134,10 +133,7 @@ class KVStore:
         """The sweeper's callback. A holder whose connection is still open may still touch the
         lease's slots: fence them (``store.fences``) before the lease ends, so they are not
         reused until it releases the lease or disconnects."""
-        if lease.holder.alive():
-            handles = lease.handles if isinstance(lease, ReadLease) else (lease.handle,)
-            slots = [FencedSlot(self.state.region_tier(h), h.offset, h.length) for h in handles]
-            self.state.fences.add(lease.id, lease.holder, slots)
+        self.state.fences.fence_expired(lease, self.state.region_tier)
         self._end_lease(lease)
 
     def _end_lease(self, lease: Lease) -> None:
