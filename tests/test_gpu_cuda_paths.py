@@ -19,6 +19,7 @@ import threading
 import time
 import types
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from kvstrata import cudart
 from kvstrata.clients import cuda_ipc, handles
 from kvstrata.clients.aio import AsyncLease, AsyncWriteLease
+from kvstrata.clients.regions import update_regions
 from kvstrata.clients.results import Handle, LeaseGrant, RegionInfo, ReserveGrant, parse_region
 from kvstrata.clients.sync import Lease, WriteLease
 from kvstrata.store.keys import ChunkKey, ChunkMeta
@@ -481,6 +483,30 @@ def test_close_all_counts_cuda_mappings_kept_by_views(ipc: Any) -> None:
     del kept
     gc.collect()
     assert log[-1] == ("close", ptr, 3)
+
+
+def test_a_gone_instance_is_unmapped_through_the_same_mapping_objects(ipc: Any) -> None:
+    """Issue 10 meets issue 18: mappings are kept per server instance; refreshing the region
+    table after a restart drops the old instance's mapping, which is closed (once, through
+    cudaIpcCloseMemHandle) when the last view made from it goes, never while one is alive."""
+    _, log = ipc
+    path = "ab" * 64
+    old = replace(cuda_region(path), instance="1111")
+    new = replace(cuda_region(path), instance="2222")  # same pool name (and even IPC bytes)
+    view_owner = handles._open_cuda(old)
+    assert handles._open_cuda(new) is not view_owner  # never resolved through 1111's mapping
+    table = update_regions({"gpu0": old}, [new], [Handle("gpu0", 0, 4096, "2222")])
+    assert table == {"gpu0": new}
+    assert handles.mapped_devices([old]) == set()  # no longer mapped here
+    assert handles.mapped_devices([new]) == {3}
+    gc.collect()
+    assert not [e for e in log if e[0] == "close"]  # a view still uses the old mapping
+    ptr = view_owner.ptr
+    del view_owner
+    gc.collect()
+    assert [e for e in log if e[0] == "close"] == [("close", ptr, 3)]
+    assert handles.unmap_regions([new]) == 0  # nothing holds it: closed at once
+    assert len([e for e in log if e[0] == "close"]) == 2
 
 
 def test_device_is_found_by_pci_bus_id_not_ordinal(ipc: Any) -> None:

@@ -115,14 +115,15 @@ def test_lease_reserve_commit_abort_release() -> None:
             await call(ctx, "KV.PUT", NS, b"a", b"", b"A" * 100)
             lease_id, handles = await call(ctx, "KV.LEASE", NS, b"a", b"b", "TTL", "5000")
             assert isinstance(lease_id, str) and len(handles) == 1
-            region, offset, length = handles[0]
+            region, offset, length, instance = handles[0]
             assert region == "dram0" and length == 100
+            assert instance == store.state.dram.instance and len(instance) == 16
             assert bytes(store.state.dram._buf[offset : offset + length]) == b"A" * 100
             assert (await error(ctx, "KV.COMMIT", lease_id)).startswith("NOLEASE")
             assert await call(ctx, "KV.RELEASE", lease_id) == OK
             assert (await error(ctx, "KV.RELEASE", lease_id)).startswith("NOLEASE")
             assert await call(ctx, "KV.LEASE", NS, b"zz") == [None, []]
-            wid, (region, offset, length) = await call(
+            wid, (region, offset, length, _) = await call(
                 ctx, "KV.RESERVE", NS, b"b", b"a", "50", "TOKENS", "2"
             )
             store.state.dram._buf[offset : offset + length] = b"B" * 50

@@ -86,8 +86,8 @@ def test_lease_handle_reads_from_shared_memory(server: RunningServer) -> None:
     assert regions[0][b"kind"] == b"shm"
     lease_id, handles = r.execute_command("KV.LEASE", NS, b"l", b"missing", "TTL", 10_000)
     assert len(handles) == 1
-    name, offset, length = handles[0]
-    assert name == regions[0][b"name"]
+    name, offset, length, instance = handles[0]
+    assert name == regions[0][b"name"] and instance == regions[0][b"instance"]
     shm = shared_memory.SharedMemory(name=regions[0][b"path"].decode())
     resource_tracker.unregister(f"/{shm.name}", "shared_memory")
     try:
@@ -96,7 +96,7 @@ def test_lease_handle_reads_from_shared_memory(server: RunningServer) -> None:
     finally:
         shm.close()
     assert r.execute_command("KV.RELEASE", lease_id) in (b"OK", "OK", True)
-    wid, (_, woff, wlen) = r.execute_command("KV.RESERVE", NS, b"w", b"l", 4096)
+    wid, (_, woff, wlen, _) = r.execute_command("KV.RESERVE", NS, b"w", b"l", 4096)
     shm = shared_memory.SharedMemory(name=regions[0][b"path"].decode())
     resource_tracker.unregister(f"/{shm.name}", "shared_memory")
     try:

@@ -21,6 +21,7 @@ from kvstrata.clients.sync import Client, Lease, Pipeline, WriteLease
 from kvstrata.protocol.errors import (
     CommandError,
     LeaseError,
+    LeaseLimitError,
     NoAuthError,
     OutOfMemoryError,
     RespError,
@@ -43,6 +44,7 @@ __all__ = [
     "Lease",
     "LeaseError",
     "LeaseGrant",
+    "LeaseLimitError",
     "MatchResult",
     "NoAuthError",
     "OutOfMemoryError",

@@ -25,7 +25,8 @@ from kvstrata.clients.connection import ConnectionSettings
 from kvstrata.clients.handles import lease_tier
 from kvstrata.clients.leases import Fence, LeaseBase, WriteLeaseBase, run_fence
 from kvstrata.clients.pipeline import PipelineBase
-from kvstrata.clients.results import RegionInfo
+from kvstrata.clients.regions import regions_stale, update_regions
+from kvstrata.clients.results import Handle, RegionInfo
 from kvstrata.clients.sync import settings_from_url
 
 __all__ = ["AsyncClient", "AsyncLease", "AsyncPipeline", "AsyncWriteLease"]
@@ -177,14 +178,21 @@ class AsyncClient:
 
     async def regions(self, refresh: bool = True) -> list[RegionInfo]:
         if refresh or not self._regions:
-            self._regions = {r.name: r for r in await self._run(cmd.regions())}
-            self._regions_generation = self.pool.generation
+            await self._refresh_regions(())
         return list(self._regions.values())
 
-    async def _regions_for(self, names: set[str]) -> dict[str, RegionInfo]:
-        # see Client._regions_for: a new connection may mean a restarted server
-        if self._regions_generation != self.pool.generation or not names <= self._regions.keys():
-            await self.regions()
+    async def _refresh_regions(self, handles: Sequence[Handle]) -> None:
+        generation = self.pool.generation
+        fresh = await self._run(cmd.regions())
+        self._regions = update_regions(self._regions, fresh, handles)
+        self._regions_generation = generation
+
+    async def _regions_for(self, handles: Sequence[Handle]) -> dict[str, RegionInfo]:
+        # see Client._regions_for: a new connection or instance may mean a restarted server
+        if self._regions_generation != self.pool.generation or regions_stale(
+            self._regions, handles
+        ):
+            await self._refresh_regions(handles)
         return self._regions
 
     async def lease(
@@ -199,7 +207,7 @@ class AsyncClient:
         if grant is None:
             return None
         try:
-            regions = await self._regions_for({h.region for h in grant.handles})
+            regions = await self._regions_for(grant.handles)
             return AsyncLease(self, ns, [bytes(cmd.hash_bytes(h)) for h in hashes], grant, regions)
         except BaseException:
             await self.release(grant.lease_id)  # don't leave the chunks pinned until the TTL
@@ -217,7 +225,7 @@ class AsyncClient:
     ) -> AsyncWriteLease:
         grant = await self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms, tier))
         try:
-            regions = await self._regions_for({grant.handle.region})
+            regions = await self._regions_for((grant.handle,))
             return AsyncWriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
         except BaseException:
             await self.abort(grant.lease_id)  # free the reserved slot now, not at the TTL

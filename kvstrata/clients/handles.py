@@ -24,6 +24,15 @@ nodes, torch absent, or ``torch.cuda.is_available()`` False), so CPU-only engine
 
 A view stays valid while its lease is held: after ``release``/``commit`` the server may reuse the
 bytes, so copy out what must outlive the lease.
+
+Region identity: every region and every handle carries the ``instance`` identity of the server
+that made it (random per start, never a PID). Mappings are kept per instance, and a handle is
+only ever resolved through the mapping of its own instance: a client kept open across a server
+restart never reads the previous server's arena for a new lease (the clients re-read
+``KV.REGIONS`` when a handle names an instance they do not know, and refuse a handle whose
+region still does not match). :func:`unmap_regions` drops the mappings of instances that are
+gone; a mapping still used by live views stays until the last of them is freed (a ``cuda``
+one is then closed with ``cudaIpcCloseMemHandle``, through the same mapping objects).
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ __all__ = [
     "lease_tier",
     "map_shm",
     "mapped_devices",
+    "unmap_regions",
 ]
 
 
@@ -65,24 +75,61 @@ class CudaUnavailable(RegionMapError):
 
 
 _lock = threading.Lock()
-_shm: dict[str, shared_memory.SharedMemory] = {}
-_retired: list[shared_memory.SharedMemory] = []
-_cuda: dict[str, IpcMapping] = {}  # region name -> its mapping (IPC handle, local device)
+_shm: dict[tuple[str, str], shared_memory.SharedMemory] = {}  # (instance, path) -> mapping
+_cuda: dict[tuple[str, str], IpcMapping] = {}  # (instance, region name) -> its IPC mapping
 _ipc_runtime = ipc_runtime  # a seam: the tests record IPC calls with a stand-in
 
 
+def _key(region: RegionInfo) -> tuple[str, str]:
+    return (region.instance, region.path)
+
+
 def map_shm(region: RegionInfo) -> memoryview:
-    """The whole ``shm`` region as a writable memoryview (mapped once per process)."""
+    """The whole ``shm`` region as a writable memoryview (mapped once per process and
+    server instance)."""
     if region.kind != "shm":
         raise RegionMapError(f"region {region.name!r} is {region.kind!r}, not shm")
     with _lock:
-        shm = _shm.get(region.path)
+        shm = _shm.get(_key(region))
         if shm is None:
             shm = _open_shm(region)
-            _shm[region.path] = shm
+            _shm[_key(region)] = shm
     buf = shm.buf
     assert buf is not None
     return buf
+
+
+def _unmap_shm(shm: shared_memory.SharedMemory) -> bool:
+    """Close our mapping; True when live views still use it (it is then unmapped with the
+    last of them: we drop our reference to the mmap and close the descriptor)."""
+    try:
+        shm.close()
+        return False
+    except BufferError:  # the views keep the memoryview and the mmap alive on their own
+        setattr(shm, "_buf", None)  # noqa: B010
+        setattr(shm, "_mmap", None)  # noqa: B010
+        shm.close()
+        return True
+
+
+def unmap_regions(regions: Iterable[RegionInfo]) -> int:
+    """Forget the mappings of ``regions`` (of a server instance that is gone): no handle is
+    resolved through them again. Returns how many stay mapped for live views until those are
+    freed (shm), or until the last tensor/CuPy array made from them is (cuda: the
+    :class:`~kvstrata.clients.cuda_ipc.IpcMapping` is then closed)."""
+    busy = 0
+    with _lock:
+        for region in regions:
+            shm = _shm.pop(_key(region), None)
+            if shm is not None:
+                busy += _unmap_shm(shm)
+            mapping = _cuda.get((region.instance, region.name))
+            if mapping is not None and mapping.path == region.path:
+                del _cuda[(region.instance, region.name)]
+                finalizer = mapping.finalizer
+                del mapping  # closed now unless a view keeps it
+                busy += finalizer.alive
+    return busy
 
 
 def _open_shm(region: RegionInfo) -> shared_memory.SharedMemory:
@@ -106,6 +153,12 @@ def _open_shm(region: RegionInfo) -> shared_memory.SharedMemory:
 def _check_bounds(region: RegionInfo, handle: Handle) -> None:
     if handle.region != region.name:
         raise RegionMapError(f"handle is in region {handle.region!r}, not {region.name!r}")
+    if handle.instance != region.instance:
+        raise RegionMapError(
+            f"handle of region {handle.region!r} belongs to server instance "
+            f"{handle.instance or '?'!r}, the region mapped here to {region.instance or '?'!r} "
+            "(the server restarted: lease again)"
+        )
     if handle.offset < 0 or handle.length < 0 or handle.offset + handle.length > region.size:
         raise RegionMapError(f"handle {handle} lies outside region {region.name!r}")
 
@@ -215,17 +268,18 @@ def lease_tier(tier: str | None) -> str | None:
 
 
 def _open_cuda(region: RegionInfo) -> IpcMapping:
-    """The mapping of ``region`` in this process, opened once. A region whose IPC handle
-    changed (a restarted server's new pool under the same name) replaces the old mapping,
-    which is closed once no view of it is left (:class:`~kvstrata.clients.cuda_ipc.IpcMapping`)."""
+    """The mapping of ``region`` in this process, opened once per server instance. A region
+    whose IPC handle changed under the same instance and name replaces the old mapping, which
+    is closed once no view of it is left (:class:`~kvstrata.clients.cuda_ipc.IpcMapping`)."""
     if region.kind != "cuda":
         raise RegionMapError(f"region {region.name!r} is {region.kind!r}, not cuda")
+    key = (region.instance, region.name)
     with _lock:
-        mapping = _cuda.get(region.name)
+        mapping = _cuda.get(key)
         if mapping is None or mapping.path != region.path:
-            _cuda.pop(region.name, None)  # the old pool: closed when its last view goes
+            _cuda.pop(key, None)  # the old pool: closed when its last view goes
             mapping = _ipc_map(region)
-            _cuda[region.name] = mapping
+            _cuda[key] = mapping
     return mapping
 
 
@@ -289,13 +343,9 @@ def close_all() -> int:
     a ``cuda`` mapping is closed with ``cudaIpcCloseMemHandle`` when its last view goes)."""
     with _lock:
         busy = _drop_cuda()
-        for name, shm in list(_shm.items()):
-            try:
-                shm.close()
-            except BufferError:  # close() already dropped shm.buf: retire it, remap on demand
-                busy += 1
-                _retired.append(shm)  # the mapping lives as long as the views into it
-            del _shm[name]
+        for key, shm in list(_shm.items()):
+            busy += _unmap_shm(shm)
+            del _shm[key]
     return busy
 
 
@@ -303,7 +353,7 @@ def mapped_devices(regions: Iterable[RegionInfo]) -> set[int]:
     """Local devices of the ``cuda`` regions among ``regions`` that this process has mapped
     (a region never mapped here has no views, so no GPU work of ours can touch it)."""
     with _lock:
-        maps = [_cuda.get(r.name) for r in regions if r.kind == "cuda"]
+        maps = [_cuda.get((r.instance, r.name)) for r in regions if r.kind == "cuda"]
         return {m.device for m in maps if m is not None}
 
 

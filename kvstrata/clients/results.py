@@ -46,7 +46,9 @@ class TokenMatch:
 
 @dataclass(frozen=True, slots=True)
 class RegionInfo:
-    """A shared region (``KV.REGIONS``): ``shm`` (shared-memory name) or ``cuda`` (IPC handle)."""
+    """A shared region (``KV.REGIONS``): ``shm`` (shared-memory name) or ``cuda`` (IPC handle).
+    ``instance`` is the region's identity in one server instance (random per start; empty from
+    servers that do not send one)."""
 
     name: str
     kind: str
@@ -54,15 +56,18 @@ class RegionInfo:
     path: str
     device: int = -1  # the server's ordinal; map by pci_bus_id where it is given
     pci_bus_id: str = ""
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Handle:
-    """Where one chunk's bytes lie: ``length`` bytes at ``offset`` inside region ``region``."""
+    """Where one chunk's bytes lie: ``length`` bytes at ``offset`` inside region ``region`` of
+    the server instance ``instance`` (see :class:`RegionInfo`)."""
 
     region: str
     offset: int
     length: int
+    instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +108,9 @@ def as_map(value: Any) -> dict[str, Any]:
 
 
 def parse_handle(value: Any) -> Handle:
-    region, offset, length = value
-    return Handle(as_str(region), as_int(offset), as_int(length))
+    region, offset, length, *rest = value
+    instance = as_str(rest[0]) if rest and rest[0] is not None else ""
+    return Handle(as_str(region), as_int(offset), as_int(length), instance)
 
 
 def parse_region(value: Any) -> RegionInfo:
@@ -117,4 +123,5 @@ def parse_region(value: Any) -> RegionInfo:
         path=as_str(m.get("path", b"")),
         device=-1 if device is None else as_int(device),
         pci_bus_id=as_str(m.get("pci_bus_id") or b""),
+        instance=as_str(m.get("instance") or b""),
     )

@@ -26,7 +26,8 @@ from kvstrata.clients.connection import ConnectionPool, ConnectionSettings
 from kvstrata.clients.handles import lease_tier
 from kvstrata.clients.leases import Fence, LeaseBase, WriteLeaseBase, run_fence
 from kvstrata.clients.pipeline import PipelineBase
-from kvstrata.clients.results import RegionInfo
+from kvstrata.clients.regions import regions_stale, update_regions
+from kvstrata.clients.results import Handle, RegionInfo
 
 __all__ = ["Client", "Lease", "Pipeline", "WriteLease", "settings_from_url"]
 
@@ -187,15 +188,22 @@ class Client:
 
     def regions(self, refresh: bool = True) -> list[RegionInfo]:
         if refresh or not self._regions:
-            self._regions = {r.name: r for r in self._run(cmd.regions())}
-            self._regions_generation = self.pool.generation
+            self._refresh_regions(())
         return list(self._regions.values())
 
-    def _regions_for(self, names: set[str]) -> dict[str, RegionInfo]:
-        # A new connection may mean a restarted server whose regions have the same names but
-        # other shared-memory segments behind them: ask again rather than map stale memory.
-        if self._regions_generation != self.pool.generation or not names <= self._regions.keys():
-            self.regions()
+    def _refresh_regions(self, handles: Sequence[Handle]) -> None:
+        generation = self.pool.generation
+        self._regions = update_regions(self._regions, self._run(cmd.regions()), handles)
+        self._regions_generation = generation
+
+    def _regions_for(self, handles: Sequence[Handle]) -> dict[str, RegionInfo]:
+        # A handle of an instance we have not mapped (a restarted server: same region names,
+        # another arena) or a new connection: ask KV.REGIONS again, unmap the regions of the
+        # instance that is gone, and refuse a handle that still does not match.
+        if self._regions_generation != self.pool.generation or regions_stale(
+            self._regions, handles
+        ):
+            self._refresh_regions(handles)
         return self._regions
 
     def lease(
@@ -214,7 +222,7 @@ class Client:
         if grant is None:
             return None
         try:
-            regions = self._regions_for({h.region for h in grant.handles})
+            regions = self._regions_for(grant.handles)
             return Lease(self, ns, [bytes(cmd.hash_bytes(h)) for h in hashes], grant, regions)
         except BaseException:
             self.release(grant.lease_id)  # don't leave the chunks pinned until the TTL
@@ -233,7 +241,7 @@ class Client:
         """Reserve an invisible slot to fill in place; commit publishes it."""
         grant = self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms, tier))
         try:
-            regions = self._regions_for({grant.handle.region})
+            regions = self._regions_for((grant.handle,))
             return WriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
         except BaseException:
             self.abort(grant.lease_id)  # free the reserved slot now, not at the TTL

@@ -77,6 +77,13 @@ class LeaseError(RespError):
     prefix = "NOLEASE"
 
 
+class LeaseLimitError(RespError):
+    """Too many leases (per connection or in total), or too many bytes fenced for one
+    connection by its expired leases (``lease-*`` limits)."""
+
+    prefix = "LEASELIMIT"
+
+
 class ProtocolError(RespError):
     """Malformed input: the server replies ``-ERR Protocol error: …`` and closes the connection."""
 
@@ -98,6 +105,7 @@ _BY_PREFIX: dict[str, type[RespError]] = {
         BusyError,
         NoProtoError,
         LeaseError,
+        LeaseLimitError,
     )
 }
 

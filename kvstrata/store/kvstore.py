@@ -33,9 +33,10 @@ from kvstrata.store.kvstore_rebuild import empty_report, rebuild_index
 from kvstrata.store.kvstore_remote import RemotePath
 from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState
 from kvstrata.store.kvstore_write import StoreSink, WritePath
-from kvstrata.store.leases import Lease, ReadLease, WriteLease, run_sweeper
+from kvstrata.store.leases import NO_HOLDER, Holder, Lease, ReadLease, WriteLease, run_sweeper
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import MemoryTier, Region, Tier
+from kvstrata.tiers.dram import STALE_AFTER_SECONDS, DramTier
 
 log = logging.getLogger("kvstrata.store")
 
@@ -90,14 +91,29 @@ class KVStore:
         state = self.state
         self._background = [
             asyncio.get_running_loop().create_task(
-                run_sweeper(state.leases, self._end_lease, 0.1, self._sweep_error),
+                run_sweeper(
+                    state.leases,
+                    self._expire_lease,
+                    0.1,
+                    self._sweep_error,
+                    state.fences.end_gone,
+                ),
                 name="kv lease sweeper",
             ),
             asyncio.get_running_loop().create_task(
                 self.placement.run_demoter(0.05), name="kv demoter"
             ),
             asyncio.get_running_loop().create_task(self.hints.prefetch.run(), name="kv prefetch"),
+            asyncio.get_running_loop().create_task(self._reclaim_later(), name="kv reclaim"),
         ]
+
+    async def _reclaim_later(self) -> None:
+        """Once segments of a predecessor killed just before our start are old enough to be
+        told from a server still starting, unlink them (see ``tiers.dram``)."""
+        await asyncio.sleep(STALE_AFTER_SECONDS + 1)
+        for tier in self.state.tiers:
+            if isinstance(tier, DramTier):
+                tier.reclaim_stale()
 
     async def close(self) -> None:
         for task in self._background:
@@ -106,12 +122,20 @@ class KVStore:
         self._background = []
         for lease in self.state.leases.take_all():
             self._end_lease(lease)
+        self.state.fences.end_all()
         await self.state.drain()
         for tier in self.state.tiers:
             try:
                 await tier.close()
             except Exception:
                 log.exception("closing tier %s failed", tier.name)
+
+    def _expire_lease(self, lease: Lease) -> None:
+        """The sweeper's callback. A holder whose connection is still open may still touch the
+        lease's slots: fence them (``store.fences``) before the lease ends, so they are not
+        reused until it releases the lease or disconnects."""
+        self.state.fences.fence_expired(lease, self.state.region_tier)
+        self._end_lease(lease)
 
     def _end_lease(self, lease: Lease) -> None:
         if isinstance(lease, ReadLease):
@@ -153,11 +177,12 @@ class KVStore:
 
     async def reserve(
         self, ns: str, hash: bytes, parent: bytes, nbytes: int, tokens: int = 0,
-        ttl_ms: int | None = None, tier: str | None = None,
+        ttl_ms: int | None = None, tier: str | None = None, holder: Holder = NO_HOLDER,
     ) -> WriteLease:  # fmt: skip
         """KV.RESERVE: a slot in DRAM, or in the GPU pool with ``tier="gpu"``."""
         ttl = self.config.lease_ttl if ttl_ms is None else ttl_ms
-        return await self.writes.reserve(ns, hash, parent, nbytes, tokens, ttl, tier)
+        self.state.admit_lease(holder)
+        return await self.writes.reserve(ns, hash, parent, nbytes, tokens, ttl, tier, holder)
 
     async def commit(self, lease_id: str) -> None:
         await self.writes.commit(lease_id)
@@ -184,10 +209,12 @@ class KVStore:
         hashes: Sequence[bytes],
         ttl_ms: int | None = None,
         tier: str | None = None,
+        holder: Holder = NO_HOLDER,
     ) -> ReadLease | None:
         """KV.LEASE into ``tier`` (gpu or dram; default: gpu when this store has one)."""
         ttl = self.config.lease_ttl if ttl_ms is None else ttl_ms
-        return await self.reads.lease(ns, hashes, ttl, tier)
+        self.state.admit_lease(holder)
+        return await self.reads.lease(ns, hashes, ttl, tier, holder)
 
     def release(self, lease_id: str) -> None:
         self.reads.release(lease_id)
@@ -377,6 +404,12 @@ class KVStore:
             ("kv_chunks", len(self.state.index)),
             ("kv_leases", len(self.state.leases)),
             ("kv_leases_expired", self.state.leases.expired),
+            ("kv_leases_refused", self.state.leases.refused),
+            ("kv_leased_bytes", self.state.leases.pinned_bytes()),
+            ("kv_fenced_leases", len(self.state.fences)),
+            ("kv_fenced_bytes", self.state.fences.nbytes),
+            ("kv_fenced_total", self.state.fences.fenced_total),
+            ("kv_integrity_errors", self.state.integrity_errors),
             ("kv_store_errors", self.state.errors),
         ]
         persistence: list[tuple[str, object]] = [

@@ -25,7 +25,7 @@ from __future__ import annotations
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.kvstore_state import StoreState
-from kvstrata.store.placement import Placement
+from kvstrata.store.placement import Placement, check_bytes
 from kvstrata.tiers.base import (
     ChunkMissing,
     Handle,
@@ -175,7 +175,9 @@ class GpuPath:
         meta = rec.meta()
         try:
             if dram is not None and src is dram:
-                await gpu.put(meta, dram.view(rec.key))
+                view = dram.view(rec.key)
+                check_bytes(rec, dram, view)  # never promote corrupt bytes
+                await gpu.put(meta, view)
             elif isinstance(src, NvmeTier):  # kvikio straight into the slot where it can
                 await load_from_nvme(gpu, src.root, meta)
             else:
@@ -185,10 +187,12 @@ class GpuPath:
                 await gpu.put(meta, data)
         except TierFull:
             return False
-        except (IntegrityError, ChunkMissing, OSError) as exc:  # the source copy is bad or gone
+        except IntegrityError as exc:  # the source copy is corrupt: the chunk goes everywhere
+            what = f"read of {rec.key.hex[:16]} into gpu"
+            await state.drop_corrupt(rec, src.name, what, exc, False)
+            return False
+        except (ChunkMissing, OSError) as exc:  # the source copy is gone or unreadable
             state.tier_error(src.name, f"read of {rec.key.hex[:16]} into gpu", exc)
-            if isinstance(exc, IntegrityError):
-                src.stats.integrity_errors += 1
             if not isinstance(exc, OSError):
                 await state.delete_copy(rec, src.name)
                 state.drop_if_gone(rec)

@@ -28,7 +28,7 @@ from kvstrata.store.keys import ChunkKey
 from kvstrata.store.kvstore_gpu import GpuPath
 from kvstrata.store.kvstore_remote import RemotePath
 from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState
-from kvstrata.store.leases import ReadLease, deadline_after
+from kvstrata.store.leases import NO_HOLDER, Holder, ReadLease, deadline_after
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import (
     Handle,
@@ -252,7 +252,12 @@ class ReadPath:
         return tier
 
     async def lease(
-        self, ns: str, hashes: Sequence[bytes], ttl_ms: int, tier: str | None = None
+        self,
+        ns: str,
+        hashes: Sequence[bytes],
+        ttl_ms: int,
+        tier: str | None = None,
+        holder: Holder = NO_HOLDER,
     ) -> ReadLease | None:
         """Pin the leading present chunks, promoting them into ``tier`` (see
         :meth:`lease_target`; a chunk the GPU cannot take is leased from DRAM); None when the
@@ -290,6 +295,7 @@ class ReadPath:
             records=tuple(records),
             handles=tuple(handles),
             deadline=deadline_after(ttl_ms, state.leases.clock),
+            holder=holder,
         )
         state.leases.add(lease)
         return lease
@@ -352,6 +358,8 @@ class ReadPath:
         leases = self.state.leases
         lease = leases.get(lease_id)
         if lease is None:
+            if self.state.fences.end(lease_id):
+                raise LeaseError(f"lease {lease_id} expired (its slots are freed now)")
             raise LeaseError(f"no such lease {lease_id!r} (unknown, ended or expired)")
         if not isinstance(lease, ReadLease):
             raise LeaseError(f"lease {lease_id} is a write lease; use KV.COMMIT or KV.ABORT")

@@ -31,11 +31,13 @@ from typing import Any
 
 from kvstrata.config import Config
 from kvstrata.protocol.errors import BusyError
+from kvstrata.store.fences import FenceTable
 from kvstrata.store.index import ChunkIndex, ChunkRecord
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Entry, Keyspace, now_ms
-from kvstrata.store.leases import LeaseTable
-from kvstrata.tiers.base import MemoryTier, Tier, TierError
+from kvstrata.store.leases import Holder, LeaseTable
+from kvstrata.tiers.arena import ArenaTier
+from kvstrata.tiers.base import Handle, MemoryTier, Tier, TierError
 from kvstrata.tiers.gpu import GpuTier
 
 
@@ -109,7 +111,11 @@ class StoreState:
         self.freeing: set[ChunkKey] = set()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.leases = LeaseTable()
+        self.fences = FenceTable()
+        #: region name → the tier whose slots its handles point into
+        self.regions = {t.region_name: t for t in self.tiers if isinstance(t, ArenaTier)}
         self.errors = 0
+        self.integrity_errors = 0
         keyspace.register_type("kvchunk", self._on_keyspace_delete)
 
     # -- lookups ----------------------------------------------------------------------------
@@ -126,6 +132,19 @@ class StoreState:
             return None
         return rec
 
+    def region_tier(self, handle: Handle) -> ArenaTier:
+        return self.regions[handle.region]
+
+    def admit_lease(self, holder: Holder) -> None:
+        """Raise LeaseLimitError when ``holder`` may not take another lease now (lease-max,
+        lease-max-per-client, lease-fence-max: read at each call, CONFIG SET applies)."""
+        values = self.config.values
+        self.leases.max_total = values["lease-max"]
+        self.leases.max_per_holder = values["lease-max-per-client"]
+        self.fences.max_bytes = values["lease-fence-max"]
+        self.fences.admit(holder)
+        self.leases.admit(holder)
+
     def tier_index(self, name: str) -> int:
         for i, tier in enumerate(self.tiers):
             if tier.name == name:
@@ -136,6 +155,33 @@ class StoreState:
         return key in self.writers or key in self.retired
 
     # -- errors and tasks -------------------------------------------------------------------
+
+    def corrupt(
+        self, rec: ChunkRecord, tier: str, what: str, exc: BaseException, tier_counted: bool
+    ) -> None:
+        """A copy of ``rec`` in ``tier`` failed its checksum: count an integrity error (in the
+        tier's stats too unless the tier already did, ``tier_counted``) and drop the chunk from
+        every tier (its copies are freed once nobody pins them). Never kept, never served."""
+        self.integrity_errors += 1
+        found = self.by_name.get(tier)
+        if found is not None and not tier_counted:
+            found.stats.integrity_errors += 1
+        self.tier_error(tier, what, exc)
+        log.error("chunk %s dropped from every tier: %s", rec.key.hex[:16], exc)
+        self.retire(rec)
+
+    async def drop_corrupt(
+        self, rec: ChunkRecord, tier: str, what: str, exc: BaseException, tier_counted: bool
+    ) -> None:
+        """:meth:`corrupt`, and a bad copy outside memory tiers is deleted now rather than with
+        the other copies (a memory copy may still be under a lease: it goes once unpinned). An
+        object in a shared tier is never deleted on this node's finding: only forgotten."""
+        found = self.by_name.get(tier)
+        if found is not None and is_shared(found):
+            self.index.drop_tier(rec, tier)
+        self.corrupt(rec, tier, what, exc, tier_counted)
+        if found is not None and not is_shared(found) and not isinstance(found, MemoryTier):
+            await self.delete_copy(rec, tier)
 
     def tier_error(self, tier: str, what: str, exc: BaseException) -> None:
         self.errors += 1

@@ -23,7 +23,7 @@ from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.keyspace import now_ms
 from kvstrata.store.kvstore_gpu import GpuPath, GpuSink
 from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_shared
-from kvstrata.store.leases import WriteLease, deadline_after
+from kvstrata.store.leases import NO_HOLDER, Holder, WriteLease, deadline_after
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import Buffer, Handle, TierError, TierFull
 from kvstrata.tiers.checksum import checksum
@@ -307,6 +307,7 @@ class WritePath:
         tokens: int,
         ttl_ms: int,
         tier: str | None = None,
+        holder: Holder = NO_HOLDER,
     ) -> WriteLease:
         """A write lease on a fresh slot: in DRAM by default, in the GPU pool with ``tier``
         ``gpu`` (in DRAM when the pool has no room); raises CommandError/BusyError/OOM."""
@@ -346,6 +347,7 @@ class WritePath:
             handle=handle,
             sink=sink,
             deadline=deadline_after(ttl_ms, state.leases.clock),
+            holder=holder,
         )
         state.leases.add(lease)
         return lease
@@ -368,6 +370,8 @@ class WritePath:
         leases = self.state.leases
         lease = leases.get(lease_id)
         if lease is None:
+            if self.state.fences.end(lease_id):  # the late writer is done with its slot
+                raise LeaseError(f"lease {lease_id} expired: nothing was committed")
             raise LeaseError(f"no such lease {lease_id!r} (unknown, ended or expired)")
         if not isinstance(lease, WriteLease):
             raise LeaseError(f"lease {lease_id} is a read lease; {verb} needs a KV.RESERVE lease")

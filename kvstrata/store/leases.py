@@ -10,8 +10,12 @@ Every lease has a deadline. :func:`run_sweeper` (one asyncio task per store) end
 every ``interval`` seconds through a callback, so a crashed client leaks nothing. Lease ids are
 unguessable (``secrets.token_hex(8)``): a lease id is a capability over pinned memory.
 
-This module keeps only the table; what ending a lease means (unpinning, aborting a slot) is the
-store's callback.
+A lease remembers its :class:`Holder` (the connection that took it). The table bounds how many
+leases one holder and all holders together may have (``lease-max-per-client``,
+``lease-max``); past either bound a new lease is refused with ``-LEASELIMIT``.
+
+This module keeps only the table; what ending a lease means (unpinning, aborting a slot, fencing
+the slots of a holder that may still touch them) is the store's callback.
 """
 
 from __future__ import annotations
@@ -25,11 +29,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.protocol.errors import LeaseLimitError
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey
 from kvstrata.tiers.base import Handle
 
 log = logging.getLogger(__name__)
+
+
+def _never_alive() -> bool:
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who took a lease: a connection id and a way to ask whether that connection is still
+    open. Slots of an expired lease stay fenced while ``alive()``; see ``store.fences``."""
+
+    id: int
+    alive: Callable[[], bool] = _never_alive
+
+
+#: Leases taken in-process (tests, benchmarks): nobody outside can touch their slots.
+NO_HOLDER = Holder(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +63,7 @@ class ReadLease:
     records: tuple[ChunkRecord, ...]
     handles: tuple[Handle, ...]
     deadline: float  # time.monotonic() seconds
+    holder: Holder = NO_HOLDER
 
     kind = "read"
 
@@ -57,6 +80,7 @@ class WriteLease:
     handle: Handle
     sink: Any  # kvstrata.store.kvstore_write.StoreSink (kept untyped to avoid an import cycle)
     deadline: float
+    holder: Holder = NO_HOLDER
 
     kind = "write"
 
@@ -69,13 +93,43 @@ def deadline_after(ttl_ms: int, clock: Callable[[], float] = time.monotonic) -> 
 
 
 class LeaseTable:
-    """Lease id → lease, with a deadline heap for the sweeper (lazy deletion)."""
+    """Lease id → lease, with a deadline heap for the sweeper (lazy deletion) and a count of
+    leases per holder. ``max_per_holder``/``max_total`` (0: unbounded) bound :meth:`admit`."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        max_per_holder: int = 0,
+        max_total: int = 0,
+    ) -> None:
         self.clock = clock
+        self.max_per_holder = max_per_holder
+        self.max_total = max_total
         self._leases: dict[str, Lease] = {}
         self._deadlines: list[tuple[float, str]] = []
+        self._per_holder: dict[int, int] = {}
         self.expired = 0
+        self.refused = 0
+
+    def held_by(self, holder: Holder) -> int:
+        return self._per_holder.get(holder.id, 0)
+
+    def admit(self, holder: Holder) -> None:
+        """Raise LeaseLimitError when ``holder`` may not take one more lease now."""
+        if self.max_total and len(self._leases) >= self.max_total:
+            self.refused += 1
+            raise LeaseLimitError(
+                f"the server holds {len(self._leases)} leases (lease-max {self.max_total}); "
+                "release some or retry later"
+            )
+        if self.max_per_holder and holder.id:
+            mine = self.held_by(holder)
+            if mine >= self.max_per_holder:
+                self.refused += 1
+                raise LeaseLimitError(
+                    f"this connection holds {mine} leases (lease-max-per-client "
+                    f"{self.max_per_holder}); release some first"
+                )
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -88,13 +142,26 @@ class LeaseTable:
 
     def add(self, lease: Lease) -> None:
         self._leases[lease.id] = lease
+        hid = lease.holder.id
+        self._per_holder[hid] = self._per_holder.get(hid, 0) + 1
         heapq.heappush(self._deadlines, (lease.deadline, lease.id))
 
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 
     def pop(self, lease_id: str) -> Lease | None:
-        return self._leases.pop(lease_id, None)
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._forget(lease)
+        return lease
+
+    def _forget(self, lease: Lease) -> None:
+        hid = lease.holder.id
+        left = self._per_holder.get(hid, 0) - 1
+        if left > 0:
+            self._per_holder[hid] = left
+        else:
+            self._per_holder.pop(hid, None)
 
     def is_expired(self, lease: Lease) -> bool:
         return lease.deadline <= self.clock()
@@ -109,6 +176,7 @@ class LeaseTable:
             lease = self._leases.get(lease_id)
             if lease is not None and lease.deadline == deadline:
                 del self._leases[lease_id]
+                self._forget(lease)
                 out.append(lease)
         if len(heap) > 2 * len(self._leases) + 1024:
             self._deadlines = [(x.deadline, x.id) for x in self._leases.values()]
@@ -120,6 +188,7 @@ class LeaseTable:
         out = list(self._leases.values())
         self._leases.clear()
         self._deadlines.clear()
+        self._per_holder.clear()
         return out
 
     def pinned_bytes(self) -> int:
@@ -137,11 +206,20 @@ async def run_sweeper(
     on_expired: Callable[[Lease], None],
     interval: float = 0.1,
     on_error: Callable[[BaseException], None] | None = None,
+    every_tick: Callable[[], object] | None = None,
 ) -> None:
-    """End expired leases forever (cancel the task to stop). A failing callback is logged and
-    counted through ``on_error``; it never stops the sweeper."""
+    """End expired leases forever (cancel the task to stop), then call ``every_tick`` (the
+    store ends the fences of holders that went away). A failing callback is logged and counted
+    through ``on_error``; it never stops the sweeper."""
     while True:
         await asyncio.sleep(interval)
+        if every_tick is not None:
+            try:
+                every_tick()
+            except Exception as exc:
+                log.exception("lease sweeper tick failed")
+                if on_error is not None:
+                    on_error(exc)
         for lease in table.take_expired():
             try:
                 on_expired(lease)

@@ -16,6 +16,11 @@ Policy, per tier:
   tier drops a victim whose write-back to s3 fails (outage) rather than stall.
 - ``{tier}-write-policy = write-through``: PUTs write that tier before they are acknowledged
   (done by the write path through :meth:`Placement.put_with_room`).
+- Every copy between tiers is verified against the record's checksum (the source's bytes before
+  a write-back, the destination's bytes after a promotion); a mismatch drops the chunk from
+  every tier and counts an integrity error (``StoreState.corrupt``), so it is never kept and
+  served again (an object in a shared tier is only forgotten here, never deleted on this
+  node's finding; the shared tier deletes objects that disagree with their own metadata).
 
 Victims come from one :class:`~kvstrata.store.lru.LruHeap` per tier, kept current by the
 index through :meth:`Placement.changed` (amortized O(log n) per change and per victim; see
@@ -48,6 +53,21 @@ from kvstrata.tiers.checksum import checksum
 log = logging.getLogger("kvstrata.store.placement")
 #: ``_write_lower``: a lower tier refused the victim itself; it is dropped, eviction goes on
 _REFUSED = ""
+
+
+class ChecksumMismatch(IntegrityError):
+    """The store found bytes that do not match the record's checksum (the tier did not)."""
+
+
+def check_bytes(rec: ChunkRecord, src: Tier, data: Buffer, meta: ChunkMeta | None = None) -> None:
+    """Raise ChecksumMismatch unless ``data`` (and the tier's ``meta``) match ``rec``. A shared
+    tier has checked the object against its own metadata already; an object that differs from
+    the record is another node's newer version (ObjectChanged), not a corrupt one."""
+    shared = meta is not None and is_shared(src)
+    if shared and meta is not None and (meta.checksum != rec.checksum or meta.size != rec.size):
+        raise ObjectChanged(meta)
+    if (meta is not None and meta.checksum != rec.checksum) or checksum(data) != rec.checksum:
+        raise ChecksumMismatch(f"{src.name}: checksum mismatch for {rec.key.hex}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +292,10 @@ class Placement:
                 continue
             try:
                 await self.put_with_room(j, meta, data)
+            except IntegrityError as exc:  # the tier checked the bytes: the source changed
+                what = f"write-back of {rec.key.hex[:16]}"
+                await state.drop_corrupt(rec, src.name, what, exc, False)
+                return None
             except (TierError, ValueError) as exc:
                 state.tier_error(dst.name, f"write-back of {rec.key.hex[:16]}", exc)
                 refused = refused or isinstance(exc, ValueError)
@@ -282,47 +306,22 @@ class Placement:
         return _REFUSED if refused else None
 
     async def read_copy(self, rec: ChunkRecord, src: Tier) -> Buffer | None:
-        """The bytes of ``rec`` in ``src`` (a view for host memory tiers, else a fresh buffer,
-        checked against the record's checksum); None when unreadable (copy dropped)."""
-        if isinstance(src, MemoryTier) and src.name != "gpu":
-            return src.view(rec.key)
-        buf = bytearray(rec.size)
+        """The bytes of ``rec`` in ``src`` (a view for host memory tiers, else a fresh buffer),
+        checked against the record's checksum; None when unreadable (a missing copy is
+        dropped, a corrupt one drops the chunk everywhere)."""
         try:
+            if isinstance(src, MemoryTier) and src.name != "gpu":
+                view = src.view(rec.key)
+                check_bytes(rec, src, view)
+                return view
+            buf = bytearray(rec.size)
             meta = await src.get(rec.key, memoryview(buf))
-            self._check_copy(rec, src, meta, buf)
+            check_bytes(rec, src, buf, meta)
         except TierError as exc:
-            await self._bad_copy(rec, src, exc)
+            await self.bad_copy(rec, src, exc)
             return None
         self.state.counters[src.name].bytes_out += rec.size
         return buf
-
-    @staticmethod
-    def _check_copy(rec: ChunkRecord, src: Tier, meta: ChunkMeta, data: Buffer) -> None:
-        """Raise when the copy read from ``src`` is not the record's chunk. A shared tier has
-        checked the object against its own metadata already; an object that differs from the
-        record is another node's newer version (ObjectChanged), not a corrupt one."""
-        if is_shared(src) and (meta.checksum != rec.checksum or meta.size != rec.size):
-            raise ObjectChanged(meta)
-        if meta.checksum != rec.checksum or checksum(data) != rec.checksum:
-            raise IntegrityError(f"{src.name}: checksum mismatch for {rec.key.hex}")
-
-    async def _bad_copy(self, rec: ChunkRecord, src: Tier, exc: TierError) -> None:
-        """The copy of ``rec`` in ``src`` is bad, gone or replaced: drop it. An object in a
-        shared tier is never deleted on the strength of this node's record (the tier deletes
-        only objects whose bytes disagree with their own metadata): the residency is dropped
-        and a newer version is handed to :attr:`on_replaced`."""
-        state = self.state
-        if isinstance(exc, ObjectChanged):
-            state.index.drop_tier(rec, src.name)
-            self.on_replaced(rec, exc.meta)
-            return
-        state.tier_error(src.name, f"read of {rec.key.hex[:16]}", exc)
-        if not isinstance(exc, IntegrityError | ChunkMissing):
-            return
-        if is_shared(src):
-            state.index.drop_tier(rec, src.name)
-        else:
-            await state.delete_copy(rec, src.name)
 
     async def reserve_dram(
         self, key: ChunkKey, nbytes: int, make_room: bool = True
@@ -360,15 +359,15 @@ class Placement:
         committed = False
         try:
             meta = await src.get(key, view)
-            self._check_copy(rec, src, meta, view)
+            check_bytes(rec, src, view, meta)
             if not rec.alive:
                 return None
             dram.commit(rec.meta())
             committed = True
         except TierError as exc:
-            await self._bad_copy(rec, src, exc)
-            if isinstance(exc, IntegrityError | ChunkMissing | ObjectChanged):
-                state.drop_if_gone(rec)
+            await self.bad_copy(rec, src, exc)
+            if isinstance(exc, ChunkMissing | ObjectChanged):
+                state.drop_if_gone(rec)  # (a corrupt chunk is gone from every tier already)
             return None
         finally:
             if not committed:
@@ -377,6 +376,30 @@ class Placement:
         state.counters[dram.name].bytes_in += rec.size
         state.counters[src.name].bytes_out += rec.size
         return True
+
+    async def bad_copy(self, rec: ChunkRecord, src: Tier, exc: TierError) -> None:
+        """A read of ``rec`` from ``src`` failed: a corrupt copy drops the chunk from every
+        tier; a missing one drops that copy; anything else (I/O) is only counted. An object in
+        a shared tier is never deleted on the strength of this node's record (the tier deletes
+        only objects whose bytes disagree with their own metadata): its residency is dropped,
+        and a newer version (ObjectChanged) is handed to :attr:`on_replaced`."""
+        state = self.state
+        what = f"read of {rec.key.hex[:16]}"
+        if isinstance(exc, ObjectChanged):
+            state.index.drop_tier(rec, src.name)
+            self.on_replaced(rec, exc.meta)
+            return
+        if isinstance(exc, IntegrityError):
+            counted = not isinstance(exc, ChecksumMismatch)  # the tier counted its own finding
+            await state.drop_corrupt(rec, src.name, what, exc, counted)
+            return
+        state.tier_error(src.name, what, exc)
+        if isinstance(exc, ChunkMissing):
+            if is_shared(src):
+                state.index.drop_tier(rec, src.name)
+            else:
+                await state.delete_copy(rec, src.name)
+            state.drop_if_gone(rec)
 
     async def put_with_room(self, j: int, meta: ChunkMeta, data: Buffer) -> None:
         """Store ``data`` in tier ``j``, making room first if needed; raises TierError.

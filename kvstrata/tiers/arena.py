@@ -8,8 +8,12 @@
   subclass's ``get``/``view``;
 - replacing a chunk (``commit`` or a subclass's ``put`` of a key already present) publishes the
   new slot first, then frees the old one;
-- every slot given back goes through :meth:`ArenaTier._free`, which a subclass overrides when a
-  slot must outlive its chunk (the GPU tier defers the free while a copy reads it);
+- every slot given back goes through :meth:`ArenaTier._free`, which defers the free while the
+  slot is *held* (:meth:`ArenaTier.hold`): the GPU tier holds a slot while a copy reads it, the
+  store holds (fences) the slot of an expired lease whose holder may still touch it;
+- every region has an ``instance`` identity, random per tier object (never derived from the
+  PID), carried in every handle and region so that a client never resolves a handle of one
+  server instance through its mapping of another;
 - capacity, handles and the allocator's share of ``info()``.
 
 Subclasses own the memory: ``reserve``/``view``/``regions`` and the byte moves of
@@ -19,6 +23,7 @@ Everything here is synchronous and never blocks.
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,15 +55,23 @@ def byte_view(data: Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def new_instance_id() -> str:
+    """A fresh region identity: 16 hex digits from the OS's random source."""
+    return secrets.token_hex(8)
+
+
 class ArenaTier(MemoryTier):
     """A memory tier over one region of ``capacity`` bytes; see the module docstring."""
 
-    def __init__(self, capacity: int, region_name: str) -> None:
+    def __init__(self, capacity: int, region_name: str, instance: str | None = None) -> None:
         super().__init__()
         self.region_name = region_name
+        self.instance = instance or new_instance_id()
         self._alloc = OffsetAllocator(capacity)
         self._chunks: dict[ChunkKey, Slot] = {}
         self._reserved: dict[ChunkKey, Slot] = {}
+        self._holds: dict[int, int] = {}  # offset -> holders that keep it from being reused
+        self._deferred: set[int] = set()  # held offsets already given back: freed at unhold
         self._closed = False
 
     # -- capacity -----------------------------------------------------------------------
@@ -100,11 +113,35 @@ class ArenaTier(MemoryTier):
 
     def handle(self, key: ChunkKey) -> Handle:
         slot = self._lookup(key)
-        return Handle(self.region_name, slot.offset, slot.length)
+        return Handle(self.region_name, slot.offset, slot.length, self.instance)
 
     def reserved_handle(self, key: ChunkKey) -> Handle:
         slot = self._reserved_slot(key)
-        return Handle(self.region_name, slot.offset, slot.length)
+        return Handle(self.region_name, slot.offset, slot.length, self.instance)
+
+    # -- holds: slots that must not be reused yet ---------------------------------------
+
+    def hold(self, offset: int) -> None:
+        """Keep the allocated slot at ``offset`` from being reused until :meth:`unhold`, even
+        when its chunk is deleted, replaced or its reservation aborted meanwhile."""
+        self._holds[offset] = self._holds.get(offset, 0) + 1
+
+    def unhold(self, offset: int) -> None:
+        """End one :meth:`hold`; the last one frees the slot if it was given back meanwhile."""
+        left = self._holds.get(offset, 0) - 1
+        if left > 0:
+            self._holds[offset] = left
+            return
+        self._holds.pop(offset, None)
+        if offset in self._deferred:
+            self._deferred.discard(offset)
+            if not self._closed:
+                self._alloc.free(offset)
+
+    @property
+    def deferred_frees(self) -> int:
+        """Slots given back but still held (their memory is not reusable yet)."""
+        return len(self._deferred)
 
     def has(self, key: ChunkKey) -> bool:
         return key in self._chunks
@@ -139,12 +176,16 @@ class ArenaTier(MemoryTier):
             "fragmentation": round(a.fragmentation, 4),
             "largest_free": a.largest_free,
             "free_extents": a.free_extents,
+            "instance": self.instance,
+            "held_slots": len(self._holds),
         }
 
     def _clear_table(self) -> None:
         """Forget every chunk and reservation (at close; the region goes away with them)."""
         self._chunks.clear()
         self._reserved.clear()
+        self._holds.clear()
+        self._deferred.clear()
         self.stats.chunks = 0
 
     def _check_open(self) -> None:
@@ -170,8 +211,11 @@ class ArenaTier(MemoryTier):
         return offset
 
     def _free(self, offset: int) -> None:
-        """Give a slot back to the allocator (overridden to defer it while it is in use)."""
-        self._alloc.free(offset)
+        """Give a slot back to the allocator, or defer that while it is held."""
+        if self._holds.get(offset):
+            self._deferred.add(offset)
+        else:
+            self._alloc.free(offset)
 
     def _lookup(self, key: ChunkKey) -> Slot:
         slot = self._chunks.get(key)

@@ -107,6 +107,7 @@ class Region:
     path: str  # shm name (for /dev/shm) or hex CUDA IPC handle
     device: int = -1  # CUDA device ordinal, -1 for host memory
     pci_bus_id: str = ""  # the GPU's PCI bus id: ordinals differ with CUDA_VISIBLE_DEVICES
+    instance: str = ""  # identity of this region in this server instance (random, not a PID)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +117,7 @@ class Handle:
     region: str
     offset: int
     length: int
+    instance: str = ""  # the region's instance identity (Region.instance)
 
 
 class Tier(ABC):

@@ -1,6 +1,9 @@
 """The DRAM tier: one pre-touched arena in POSIX shared memory, optionally CUDA-pinned.
 
-The arena is created once (``/dev/shm/{prefix}-{pid}-{n}``), written to page by page at start
+The arena is created once (``/dev/shm/{prefix}-{instance}-{n}``, where ``instance`` is a random
+identity of this tier, never the PID: in a container the server is PID 1 after every restart, and
+a client still mapping the previous ``kvstrata-1-0`` would read a dead arena), written to page
+by page at start
 so later copies run at memcpy speed instead of page-fault speed, and carved by an
 :class:`~kvstrata.tiers.alloc.OffsetAllocator` into 4096-aligned slots. Other processes map it
 by name (``regions()``) and read a chunk at its ``handle()`` offset without a copy.
@@ -14,8 +17,11 @@ Everything here runs on the event loop without awaiting: a copy of a 32 MiB chun
 milliseconds of memcpy.
 
 Segments of processes killed before ``close()`` are reclaimed when the next tier with the same
-prefix starts: every server holds a shared ``flock`` on its own segment for its whole life, so a
-segment nobody holds is stale (this works across PID namespaces sharing ``/dev/shm``).
+prefix starts, and once more :data:`STALE_AFTER_SECONDS` later (:meth:`DramTier.reclaim_stale`,
+called by the store: a server restarted at once after a kill -9 would otherwise keep its
+predecessor's arena in ``/dev/shm`` until its own restart). Every server holds a shared
+``flock`` on its own segment for its whole life, so a segment nobody holds is stale (this works
+across PID namespaces sharing ``/dev/shm``).
 
 Python 3.11's resource tracker would unlink the segment when *any* process that attached it
 exits; the tier unregisters it after creating it and unlinks it itself on ``close()`` (or at
@@ -40,7 +46,7 @@ import numpy as np
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _cuda
-from kvstrata.tiers.arena import ArenaTier, byte_view
+from kvstrata.tiers.arena import ArenaTier, byte_view, new_instance_id
 from kvstrata.tiers.base import Buffer, Region, TierUnavailable, register_tier
 
 log = logging.getLogger(__name__)
@@ -111,10 +117,10 @@ def _held(path: str) -> bool:
 def reclaim_stale_arenas(
     prefix: str, shm_dir: str = "/dev/shm", min_age: float = STALE_AFTER_SECONDS
 ) -> list[str]:
-    """Unlink ``{prefix}-{pid}-{n}`` segments that no live server holds (killed without
-    close()). A segment younger than ``min_age`` seconds is left alone: its server may not have
-    taken its lock yet."""
-    pattern = re.compile(rf"{re.escape(prefix)}-(\d+)-\d+")
+    """Unlink ``{prefix}-{instance}-{n}`` segments (and the ``{prefix}-{pid}-{n}`` ones of older
+    versions) that no live server holds (killed without close()). A segment younger than
+    ``min_age`` seconds is left alone: its server may not have taken its lock yet."""
+    pattern = re.compile(rf"{re.escape(prefix)}-([0-9a-f]{{16}}|\d+)-\d+")
     try:
         names = os.listdir(shm_dir)
     except OSError:
@@ -153,7 +159,8 @@ class DramTier(ArenaTier):
         self.config = config
         size = (config.capacity + PAGE - 1) // PAGE * PAGE
         self.reclaimed = reclaim_stale_arenas(config.name_prefix)
-        shm_name = f"{config.name_prefix}-{os.getpid()}-{next(_arena_numbers)}"
+        instance = new_instance_id()
+        shm_name = f"{config.name_prefix}-{instance}-{next(_arena_numbers)}"
         try:
             self._shm = shared_memory.SharedMemory(name=shm_name, create=True, size=size)
         except OSError as exc:
@@ -166,7 +173,7 @@ class DramTier(ArenaTier):
         buf = self._shm.buf
         assert buf is not None
         self._buf: memoryview = buf
-        super().__init__(size, config.region)
+        super().__init__(size, config.region, instance)
         started = time.perf_counter()
         self._pretouch()
         self.touch_seconds = time.perf_counter() - started
@@ -198,6 +205,12 @@ class DramTier(ArenaTier):
         log.log(level, "dram arena %s not pinned: %s", self._shm.name, reason)
         return 0, reason
 
+    def reclaim_stale(self) -> list[str]:
+        """Unlink the stale arenas of this prefix found now (never our own: we hold it)."""
+        found = reclaim_stale_arenas(self.config.name_prefix)
+        self.reclaimed += found
+        return found
+
     @property
     def arena_name(self) -> str:
         return self._shm.name
@@ -215,7 +228,16 @@ class DramTier(ArenaTier):
         return self._buf[slot.offset : slot.offset + slot.length]
 
     def regions(self) -> list[Region]:
-        return [Region(self.region_name, "shm", self._alloc.capacity, self._shm.name)]
+        return [
+            Region(
+                self.region_name,
+                "shm",
+                self._alloc.capacity,
+                self._shm.name,
+                -1,
+                instance=self.instance,
+            )
+        ]
 
     # -- async contract -----------------------------------------------------------------
 

@@ -4,9 +4,10 @@ At start the tier allocates ``gpu-capacity`` bytes on ``gpu-device`` once (``cud
 through :mod:`~kvstrata.tiers.gpu_runtime`, see there why not torch's caching allocator),
 exports the pool once with ``cudaIpcGetMemHandle`` and hands out 4096-aligned slots with the
 same :class:`~kvstrata.tiers.alloc.OffsetAllocator` as the DRAM arena. ``regions()`` lists the
-pool as kind ``cuda`` (device, size, hex IPC handle); ``handle()``/``reserved_handle()`` give
-(region, offset, length) inside it, which a client opens once per process and views as a torch
-tensor with no copy (``kvstrata.clients.handles``).
+pool as kind ``cuda`` (device, PCI bus id, size, hex IPC handle, instance);
+``handle()``/``reserved_handle()`` give (region, offset, length, instance) inside it, which a
+client opens once per process and views as a torch tensor with no copy
+(``kvstrata.clients.handles``).
 
 Device memory has no host ``memoryview``: ``view()``/``reserve()`` raise :class:`NoHostView`
 (they work over the host stand-in used by CPU tests). The GPU-native forms are
@@ -16,9 +17,12 @@ Device memory has no host ``memoryview``: ``view()``/``reserve()`` raise :class:
 slot with any blocking function (kvikio reading NVMe straight into the slot), ``read_with``
 lends a committed slot to one (kvikio writing it out).
 
-Copies run on a small executor (``copy-threads``), never on the event loop. A slot being read
-is not reused until the read ends: a delete or replacement during a copy defers the free.
-The chunk table (reserved vs committed, replace = publish new then free old) is
+Copies run on a small executor (``copy-threads``), never on the event loop. A slot being read is
+held (:meth:`~kvstrata.tiers.arena.ArenaTier.hold`) until the copy's thread ends, also when the
+caller was cancelled meanwhile: a delete or replacement during a copy defers the free, and a
+cancelled fill frees its slot only once its thread has stopped writing it. The pool's
+``instance`` identity (random per start) is in every handle and in ``regions()``, next to the
+IPC handle. The chunk table (reserved vs committed, replace = publish new then free old) is
 :class:`~kvstrata.tiers.arena.ArenaTier`'s, shared with the DRAM tier.
 """
 
@@ -102,8 +106,6 @@ class GpuTier(ArenaTier):
         except CudaCallError as exc:
             self._mem.close()
             raise TierUnavailable(f"gpu: cudaIpcGetMemHandle failed: {exc}") from exc
-        self._readers: dict[int, int] = {}  # offset -> copies reading it now
-        self._deferred: set[int] = set()  # offsets to free when their last reader ends
         self._pool = ThreadPoolExecutor(config.copy_threads, thread_name_prefix="kvstrata-gpu")
 
     @property
@@ -114,7 +116,7 @@ class GpuTier(ArenaTier):
 
     def reserve_handle(self, key: ChunkKey, nbytes: int) -> Handle:
         """Reserve an invisible slot (KV.RESERVE into the GPU); commit()/abort() end it."""
-        return Handle(self.region_name, self._reserve(key, nbytes), nbytes)
+        return Handle(self.region_name, self._reserve(key, nbytes), nbytes, self.instance)
 
     def reserve(self, key: ChunkKey, nbytes: int) -> memoryview:
         if not self._mem.host_addressable:
@@ -143,7 +145,7 @@ class GpuTier(ArenaTier):
     def regions(self) -> list[Region]:
         return [
             Region(self.region_name, "cuda", self._alloc.capacity, self._ipc_hex, self._mem.device,
-                   self._mem.pci_bus_id)
+                   self._mem.pci_bus_id, self.instance)
         ]  # fmt: skip
 
     # -- async contract -----------------------------------------------------------------
@@ -212,12 +214,12 @@ class GpuTier(ArenaTier):
     async def _read_slot(self, slot: Slot, use: Callable[[DeviceMemory, int], T]) -> None:
         started = time.perf_counter()
         copy = self._submit(use, self._mem, slot.offset)
-        # counted on the loop thread right after the submit: no free can run in between
-        self._readers[slot.offset] = self._readers.get(slot.offset, 0) + 1
+        # held on the loop thread right after the submit: no free can run in between
+        self.hold(slot.offset)
         try:
             await self._wait(copy)
         finally:  # a cancelled read still holds the slot until its thread has let go
-            _when_done(copy, lambda: self._end_read(slot.offset))
+            _when_done(copy, lambda: self.unhold(slot.offset))
         self.stats.seconds_out += time.perf_counter() - started
 
     def info(self) -> dict[str, Any]:
@@ -254,22 +256,6 @@ class GpuTier(ArenaTier):
     def _free_unless_closed(self, offset: int) -> None:
         if not self._closed:  # close() dropped the whole table (and the pool)
             self._free(offset)
-
-    def _free(self, offset: int) -> None:
-        if self._readers.get(offset):
-            self._deferred.add(offset)
-        else:
-            self._alloc.free(offset)
-
-    def _end_read(self, offset: int) -> None:
-        left = self._readers[offset] - 1
-        if left:
-            self._readers[offset] = left
-            return
-        del self._readers[offset]
-        if offset in self._deferred and not self._closed:
-            self._deferred.discard(offset)
-            self._alloc.free(offset)
 
 
 def _when_done(copy: asyncio.Future[Any], then: Callable[[], None]) -> None:

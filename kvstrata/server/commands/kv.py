@@ -367,11 +367,13 @@ def kv_stats(ctx: Ctx, args: Args) -> Reply:
     "readonly fast",
     group="kv",
     summary="The shared memory regions a client maps once to read leased chunks.",
-    reply="Array of maps {name, kind (shm|cuda), size, path, device, pci_bus_id}.",
+    reply="Array of maps {name, kind (shm|cuda), size, path, device, pci_bus_id, instance}; "
+    "instance is the region's identity in this server instance (random per start), also in "
+    "every handle.",
 )
 def kv_regions(ctx: Ctx, args: Args) -> Reply:
     return [
         {"name": r.name, "kind": r.kind, "size": r.size, "path": r.path, "device": r.device,
-         "pci_bus_id": r.pci_bus_id}
+         "pci_bus_id": r.pci_bus_id, "instance": r.instance}
         for r in store_of(ctx).regions()
     ]  # fmt: skip

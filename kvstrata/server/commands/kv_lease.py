@@ -13,6 +13,8 @@ cannot take it, so a lease may mix ``cuda`` and ``shm`` handles; a client withou
 
 from __future__ import annotations
 
+from functools import partial
+from operator import contains
 from typing import Any
 
 from kvstrata.protocol.errors import CommandError, LeaseError
@@ -32,6 +34,7 @@ from kvstrata.server.commands.kv import (
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.keys import validate_hash, validate_namespace, validate_parent
+from kvstrata.store.leases import Holder
 
 LEASE_TTL_MAX = 86_400_000
 TTL = Arg("ttl", "integer", optional=True, token="TTL")
@@ -52,7 +55,13 @@ def _tier(arg: Any) -> str:
 
 
 def _handle(h: Any) -> list[Any]:
-    return [h.region, h.offset, h.length]
+    return [h.region, h.offset, h.length, h.instance]
+
+
+def holder_of(ctx: Ctx) -> Holder:
+    """The connection as a lease holder: alive while the server still lists it."""
+    cid = ctx.client.id
+    return Holder(cid, partial(contains, ctx.server.clients, cid))
 
 
 def _lease_id(arg: Any) -> str:
@@ -74,8 +83,9 @@ def _lease_id(arg: Any) -> str:
     "each, stopping at the first miss.",
     complexity="O(N) hashes",
     arguments=(NS, HASHES, TTL, TIER),
-    reply="Array: [lease id or null, [[region, offset, length], ...]] (null and an empty list "
-    "when the first chunk is not cached).",
+    reply="Array: [lease id or null, [[region, offset, length, instance], ...]] (null and an "
+    "empty list when the first chunk is not cached); -LEASELIMIT past lease-max, "
+    "lease-max-per-client or lease-fence-max.",
 )
 async def kv_lease(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
@@ -92,7 +102,7 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
             break
         end -= 2
     hashes = check_hashes(args[2:end])
-    lease = await store_of(ctx).lease(ns, hashes, ttl, tier)
+    lease = await store_of(ctx).lease(ns, hashes, ttl, tier, holder_of(ctx))
     if lease is None:
         return [None, []]
     return [lease.id, [_handle(h) for h in lease.handles]]
@@ -115,7 +125,8 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
         TTL,
         TIER,
     ),
-    reply="Array: [lease id, [region, offset, length]].",
+    reply="Array: [lease id, [region, offset, length, instance]]; -LEASELIMIT past lease-max, "
+    "lease-max-per-client or lease-fence-max.",
 )
 async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
@@ -134,8 +145,9 @@ async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
     )
     store = store_of(ctx)
     lease = await store.reserve(
-        ns, h, parent, nbytes, opts.get(b"TOKENS", 0), opts.get(b"TTL"), opts.get(b"TIER")
-    )
+        ns, h, parent, nbytes, opts.get(b"TOKENS", 0), opts.get(b"TTL"), opts.get(b"TIER"),
+        holder_of(ctx),
+    )  # fmt: skip
     return [lease.id, _handle(lease.handle)]
 
 
@@ -148,7 +160,8 @@ async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
     "GPU slot is first copied to DRAM), then it becomes visible (and is written to "
     "write-through tiers).",
     arguments=(LEASE,),
-    reply="Simple string OK; -NOLEASE for an unknown, expired or read lease.",
+    reply="Simple string OK; -NOLEASE for an unknown, expired or read lease (an expired lease is "
+    "never committed).",
 )
 async def kv_commit(ctx: Ctx, args: Args) -> Reply:
     await store_of(ctx).commit(_lease_id(args[1]))
