@@ -315,6 +315,12 @@ def _check(values: Mapping[str, Any]) -> None:
             )
     if values["tls-port"] and not (values["tls-cert-file"] and values["tls-key-file"]):
         raise ConfigError("invalid value for 'tls-port': needs tls-cert-file and tls-key-file")
+    if values["tls-port"] and values["tls-auth-clients"] != "no" and not values["tls-ca-cert-file"]:
+        # Redis refuses this too: no client certificate could ever be verified
+        raise ConfigError(
+            f"invalid value for 'tls-auth-clients': {values['tls-auth-clients']} needs "
+            "tls-ca-cert-file (the CA that signs client certificates)"
+        )
 
 
 def load_config(

@@ -55,6 +55,22 @@ from kvstrata.tiers.base import (
 log = logging.getLogger(__name__)
 SHARDS = [f"{i:02x}" for i in range(256)]
 SCAN_THREADS = 16
+#: chunk files hold prompts' KV: folders 0700, files 0600 (as the DRAM arena), whatever the umask
+PRIVATE_DIR = 0o700
+
+
+def make_private(folder: Path) -> None:
+    """Tighten a folder (new, or left by an older version or another tool) to 0700."""
+    mode = folder.stat().st_mode & 0o777
+    if mode == PRIVATE_DIR:
+        return
+    try:
+        os.chmod(folder, PRIVATE_DIR)
+    except OSError as exc:
+        raise TierUnavailable(
+            f"nvme-path folder {folder} has mode {mode:o} and cannot be made private "
+            f"(0700): {exc.strerror}"
+        ) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +146,11 @@ class NvmeTier(Tier):
                     raise TierUnavailable(
                         f"nvme-path {root} does not exist, nor does its parent {root.parent}"
                     )
-                root.mkdir()
+                root.mkdir(mode=PRIVATE_DIR)
+            make_private(root)
             for sub in [*SHARDS, QUARANTINE]:
-                (root / sub).mkdir(exist_ok=True)
+                (root / sub).mkdir(mode=PRIVATE_DIR, exist_ok=True)
+                make_private(root / sub)
             probe_writable(self.root)
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
