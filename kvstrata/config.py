@@ -186,6 +186,15 @@ OPTIONS: tuple[Option, ...] = (
          mutable=True),
     _opt("client-query-buffer-limit", 1024**3, parse_size,
          "Most bytes of unexecuted commands buffered per client.", mutable=True),
+    _opt("maxmemory", 0, parse_size,
+         "Most bytes plain string values (SET) may count: a small value (< 64 KiB) counts key "
+         "+ value + 64, a large one key + 64 (its bytes live in the tiers, which bound them); "
+         "0 = dram-capacity.", mutable=True, **_SIZE),
+    _opt("maxmemory-policy", "allkeys-lru",
+         _choice("allkeys-lru", "allkeys-random", "volatile-lru", "volatile-random",
+                 "volatile-ttl", "noeviction"),
+         "Which string keys a write over maxmemory evicts (Redis's policies); noeviction "
+         "answers -OOM.", mutable=True),
     _opt("shutdown-timeout", 10, _int(0, 3600),
          "Seconds in-flight commands get to finish on shutdown.", mutable=True),
     _opt("slowlog-log-slower-than", 10000, _int(-1, 10**12),

@@ -23,6 +23,7 @@ from kvstrata.server.connection import Connection
 from kvstrata.server.context import ClientState, ServerStats
 from kvstrata.server.registry import load_all
 from kvstrata.store.keyspace import Keyspace
+from kvstrata.store.strings import StringStore
 
 log = logging.getLogger("kvstrata.server")
 
@@ -34,6 +35,7 @@ class Server:
         self.config = config
         self.config_file = config_file
         self.keyspace = Keyspace()
+        self.strings = StringStore(self.keyspace, config)
         self.store: Any = None
         self.registry = load_all()
         self.clients: dict[int, Connection] = {}
@@ -58,6 +60,7 @@ class Server:
         _ensure_data_dir(self.config.data_dir)
         tls_context = self._ssl_context() if self.config.tls_port else None
         self.store = await _build_store(self.config, self.keyspace)
+        self.strings.kv = self.store  # large plain values live in its tiers
         loop = asyncio.get_running_loop()
         hosts = [h.lstrip("-") for h in self.config.binds]
         hosts = [None if h == "*" else h for h in hosts]  # type: ignore[misc]

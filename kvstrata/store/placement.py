@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey, ChunkMeta
-from kvstrata.store.kvstore_state import StoreState, is_shared
+from kvstrata.store.kvstore_state import StoreState, is_internal, is_shared
 from kvstrata.store.lru import LruHeap
 from kvstrata.tiers.base import (
     Buffer,
@@ -234,6 +234,8 @@ class Placement:
             if not rec.alive:
                 return False
         lower = self.state.tiers[i + 1 :]
+        if is_internal(rec.key):  # the server's own values stay on this node
+            lower = [t for t in lower if not is_shared(t)]
         if not lower:
             return True
         held = any(t.name in rec.tiers for t in lower)
@@ -253,7 +255,7 @@ class Placement:
         meta = rec.meta()
         for j in range(i + 1, len(state.tiers)):
             dst = state.tiers[j]
-            if dst.name in rec.tiers:
+            if dst.name in rec.tiers or (is_internal(rec.key) and is_shared(dst)):
                 continue
             try:
                 await self.put_with_room(j, meta, data)
