@@ -14,9 +14,15 @@ import errno
 import os
 import time
 
+from kvstrata.tiers.base import TierFull, TierIOError
+
 #: errors meaning "the file system is full for us"
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 RECHECK_SECONDS = 1.0
+
+
+class DiskFull(TierFull, TierIOError):
+    """The file system ran out of space: an I/O error, and a full tier (evict and retry)."""
 
 
 def is_full_error(exc: BaseException | None) -> bool:
@@ -52,10 +58,14 @@ class FsSpace:
             free = self.available()
         except OSError:
             free = 0
-        self.limit = min(self.configured, used + free)
-        self.lowered_times += 1
+        room = used + free
         self._checked = time.monotonic()
-        return self.limit
+        if room >= self.configured:
+            self.limit = None  # a transient failure: nothing to lower
+            return self.configured
+        self.limit = room
+        self.lowered_times += 1
+        return room
 
     def recheck(self, used: int) -> None:
         """Lift (or move) a lowered limit when the file system has room again."""

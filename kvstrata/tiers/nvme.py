@@ -40,7 +40,7 @@ from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt, unlink_quietly
 from kvstrata.tiers._nvme_format import file_bytes
 from kvstrata.tiers._nvme_io import PosixBackend, choose_backend, probe_writable
 from kvstrata.tiers._nvme_scan import QUARANTINE, RebuildReport
-from kvstrata.tiers._nvme_space import FsSpace, is_full_error
+from kvstrata.tiers._nvme_space import DiskFull, FsSpace, is_full_error
 from kvstrata.tiers._nvme_sync import POLICIES, SYNC_MARKER, GroupSync
 from kvstrata.tiers.base import (
     Buffer,
@@ -208,7 +208,7 @@ class NvmeTier(Tier):
                 if not is_full_error(exc):
                     raise
                 limit = self._space.lower(self._used)
-                raise TierFull(f"nvme: file system full; capacity lowered to {limit}") from exc
+                raise DiskFull(f"{exc}; capacity now {limit} bytes") from exc
             finally:
                 self._pending -= need
             self.stats.seconds_in += time.perf_counter() - started
