@@ -195,6 +195,11 @@ OPTIONS: tuple[Option, ...] = (
                  "volatile-ttl", "noeviction"),
          "Which string keys a write over maxmemory evicts (Redis's policies); noeviction "
          "answers -OOM.", mutable=True),
+    _opt("write-wait-queue", 4096, _int(1, 10**6),
+         "Most writes (KV.PUT, KV.RESERVE, promotions for KV.LEASE) waiting in turn for DRAM "
+         "room; more get -OOM.", mutable=True),
+    _opt("write-wait-timeout", 30000, _int(1, 3_600_000),
+         "Most ms a write waits in turn for DRAM room before -OOM.", mutable=True),
     _opt("shutdown-timeout", 10, _int(0, 3600),
          "Seconds in-flight commands get to finish on shutdown.", mutable=True),
     _opt("slowlog-log-slower-than", 10000, _int(-1, 10**12),

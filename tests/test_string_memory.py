@@ -90,7 +90,8 @@ def test_allkeys_random_keeps_within_the_limit() -> None:
 def test_config_get_and_set_maxmemory() -> None:
     srv, c = _fake()
     assert c.call("CONFIG", "GET", "maxmemory*") == {
-        "maxmemory": "0", "maxmemory-policy": "allkeys-lru"
+        "maxmemory": "0",
+        "maxmemory-policy": "allkeys-lru",
     }
     # 0 means the DRAM tier's size; INFO shows what is enforced
     assert f"maxmemory:{srv.config.get('dram-capacity')}\r\n" in c.call("INFO").decode()

@@ -114,6 +114,9 @@ class WritePath:
         dram = self.state.dram
         if dram is None or nbytes <= 0 or nbytes > dram.capacity:
             return None
+        if len(self.placement.room):  # writers wait for room: this one queues behind them
+            self.placement.kick_now()
+            return None
         slot_key = ChunkKey(_SINK_NS, next(_sink_ids).to_bytes(8, "big"))
         try:
             view = dram.reserve(slot_key, nbytes)
