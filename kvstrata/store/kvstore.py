@@ -103,6 +103,7 @@ class KVStore:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         self._background = []
+        await self.placement.room.close()
         for lease in self.state.leases.take_all():
             self._end_lease(lease)
         await self.state.drain()
@@ -368,6 +369,9 @@ class KVStore:
             ("kv_leases", len(self.state.leases)),
             ("kv_leases_expired", self.state.leases.expired),
             ("kv_store_errors", self.state.errors),
+            ("kv_write_waiting", len(self.placement.room)),
+            ("kv_write_waited", self.placement.room.waited),
+            ("kv_write_wait_timeouts", self.placement.room.timeouts),
         ]
         persistence: list[tuple[str, object]] = [
             (f"rebuild_{k}", round(v, 3) if isinstance(v, float) else v)

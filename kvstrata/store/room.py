@@ -53,6 +53,14 @@ class RoomQueue:
     def __len__(self) -> int:
         return len(self._waiters)
 
+    async def close(self) -> None:
+        """Stop the room maker (store shutdown); waiters get None."""
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        while self._waiters:
+            self._fail_head()
+
     async def reserve(self, key: ChunkKey, nbytes: int) -> memoryview | None:
         """A DRAM slot for ``key``, now or in turn; None when no room can be made."""
         dram = self.placement.state.dram
