@@ -1,7 +1,7 @@
 """KV.PUT latency under sustained write pressure, beside the disk's own write limit.
 
     python bench/bench_pressure.py [--seconds 60] [--writers 8] [--chunk-mib 1]
-                                   [--dram 32MiB] [--nvme 4GiB] [--dir /var/tmp]
+                                   [--dram 32MiB] [--nvme 4GiB] [--dir /var/tmp] [--leasers 2]
 
 ``--writers`` clients store distinct ``--chunk-mib`` chunks as fast as they can for
 ``--seconds`` into a server whose DRAM tier (``--dram``) is far smaller than what they write,
@@ -10,6 +10,9 @@ older chunks back to NVMe. The table gives p50/p99/max KV.PUT latency, errors, a
 throughput beside the disk's sequential write limit measured in the same run on the same folder
 (the same number of bytes in chunk-sized O_DIRECT writes, then fsync; and ``fio`` when
 installed): with write-back, sustained PUT throughput cannot exceed what the disk absorbs.
+``--leasers`` clients meanwhile take KV.LEASE on random recently stored chunks (most of them
+on NVMe: each lease promotes into DRAM, waiting for room in turn with the writers) and release
+them; their p50/p99/max are given too.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -68,6 +72,9 @@ def fio_limit(folder: Path, nbytes: int, block: int) -> float | None:
         return None
 
 
+STORED: list[bytes] = []  # hashes stored so far (list.append is atomic in CPython)
+
+
 def writer(port: int, wid: int, size: int, until: float, out: list[float], errs: list[str]) -> None:
     r = redis.Redis(port=port, socket_timeout=120)
     payload = os.urandom(size)
@@ -77,10 +84,31 @@ def writer(port: int, wid: int, size: int, until: float, out: list[float], errs:
         started = time.perf_counter()
         try:
             r.execute_command("KV.PUT", "pressure@bench", h, b"", payload)
+            STORED.append(h)
         except redis.RedisError as exc:
             errs.append(str(exc)[:80])
         out.append(time.perf_counter() - started)
         n += 1
+    r.close()
+
+
+def leaser(port: int, seed: int, until: float, out: list[float], errs: list[str]) -> None:
+    r = redis.Redis(port=port, socket_timeout=120)
+    rng = random.Random(seed)
+    while time.monotonic() < until:
+        if len(STORED) < 64:
+            time.sleep(0.01)
+            continue
+        h = STORED[-rng.randrange(1, min(len(STORED), 2000))]
+        started = time.perf_counter()
+        try:
+            lease = r.execute_command("KV.LEASE", "pressure@bench", h, "TTL", 5000)
+            out.append(time.perf_counter() - started)
+            if lease and lease[0]:
+                r.execute_command("KV.RELEASE", lease[0])
+        except redis.RedisError as exc:
+            errs.append(str(exc)[:80])
+            out.append(time.perf_counter() - started)
     r.close()
 
 
@@ -97,11 +125,14 @@ def main() -> None:
     ap.add_argument("--dram", default="32MiB")
     ap.add_argument("--nvme", default="4GiB")
     ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--leasers", type=int, default=2)
     args = ap.parse_args()
     size = int(args.chunk_mib * MiB)
     folder = Path(tempfile.mkdtemp(prefix="kvstrata-pressure-", dir=args.dir))
     lat: list[list[float]] = [[] for _ in range(args.writers)]
     errs: list[str] = []
+    lease_lat: list[float] = []
+    lease_errs: list[str] = []
     try:
         flags = ("--dram-capacity", args.dram, "--nvme-capacity", args.nvme,
                  "--nvme-path", str(folder / "nvme"))  # fmt: skip
@@ -111,6 +142,9 @@ def main() -> None:
             threads = [
                 threading.Thread(target=writer, args=(srv.port, w, size, until, lat[w], errs))
                 for w in range(args.writers)
+            ] + [
+                threading.Thread(target=leaser, args=(srv.port, k, until, lease_lat, lease_errs))
+                for k in range(args.leasers)
             ]
             for t in threads:
                 t.start()
@@ -135,6 +169,10 @@ def main() -> None:
         ("KV.PUT p50 (s)", f"{statistics.median(all_lat):.3f}"),
         ("KV.PUT p99 (s)", f"{pct(all_lat, 0.99):.3f}"),
         ("KV.PUT max (s)", f"{max(all_lat):.3f}"),
+        ("KV.LEASE count / errors", f"{len(lease_lat)} / {len(lease_errs)}"),
+        ("KV.LEASE p50 (s)", f"{statistics.median(lease_lat):.3f}" if lease_lat else "-"),
+        ("KV.LEASE p99 (s)", f"{pct(lease_lat, 0.99):.3f}" if lease_lat else "-"),
+        ("KV.LEASE max (s)", f"{max(lease_lat):.3f}" if lease_lat else "-"),
         ("PUT throughput (MB/s)", f"{written / elapsed / 1e6:.0f}"),
         ("disk O_DIRECT+fsync (MB/s)", f"{limit:.0f}"),
         ("fio --direct=1 (MB/s)", "not installed" if fio is None else f"{fio:.0f}"),
@@ -143,8 +181,8 @@ def main() -> None:
     ]
     for name, value in rows:
         print(f"{name:<34}{value:>14}")
-    if errs:
-        print("first errors:", *sorted(set(errs))[:3], sep="\n  ")
+    if errs or lease_errs:
+        print("first errors:", *sorted(set(errs + lease_errs))[:3], sep="\n  ")
 
 
 if __name__ == "__main__":
