@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 #: waiters whose room is made in one round (their victims' write-backs overlap)
 _AHEAD = 8
+#: loop turns a woken ``room_for`` waiter needs to reserve its slot (future → shield → task)
+_HANDOVER_STEPS = 4
 
 
 @dataclass(slots=True)
@@ -121,8 +123,9 @@ class RoomQueue:
             assert dram is not None
             dram.abort(waiter.key)
 
-    def _serve_fitting(self) -> None:
-        """Hand room to waiters at the head, in order, while they fit."""
+    def _serve_fitting(self) -> bool:
+        """Hand room to waiters at the head, in order, while they fit. True when it stopped
+        after a waiter that only waited for room (it reserves itself: let it run first)."""
         dram = self.placement.state.dram
         assert dram is not None
         while self._waiters:
@@ -133,15 +136,18 @@ class RoomQueue:
             result: memoryview | bool
             if head.key is None:
                 if self.placement.free_for(dram) < head.nbytes:
-                    return
+                    return False
                 result = True
             else:
                 try:
                     result = dram.reserve(head.key, head.nbytes)
                 except TierFull:
-                    return
+                    return False
             self._waiters.popleft()
             head.future.set_result(result)
+            if result is True:
+                return True
+        return False
 
     async def _serve(self) -> None:
         placement = self.placement
@@ -149,7 +155,10 @@ class RoomQueue:
         assert dram is not None
         i = placement.state.tier_index(dram.name)
         while self._waiters:
-            self._serve_fitting()
+            if self._serve_fitting():
+                for _ in range(_HANDOVER_STEPS):
+                    await asyncio.sleep(0)  # the promotion takes its slot before the next
+                continue
             if not self._waiters:
                 return
             ahead = [w for w in list(self._waiters)[:_AHEAD] if not w.future.done()]
