@@ -188,9 +188,10 @@ class StringStore:
         None when done, or an awaitable when a large value needs tier I/O first."""
         if len(value) < LARGE_VALUE or self.kv is None or self.kv.state.dram is None:
             data = value if isinstance(value, bytes | bytearray) else bytes(value)
-            entry = StringEntry(data, expire_at)
-            self.make_room(self.cost(key, entry))
-            self._bind(key, entry)
+            cost = len(key) + len(data) + ENTRY_OVERHEAD
+            if self.used + cost > self.limit:
+                self.make_room(cost)
+            self._bind(key, StringEntry(data, expire_at), cost)
             return None
         self.make_room(len(key) + ENTRY_OVERHEAD)
         chunk = secrets.token_bytes(16)
@@ -199,24 +200,32 @@ class StringStore:
         if sink is not None:
             sink.view[:] = value
             if self.kv.put_sink_now(STRING_NS, chunk, b"", 0, None, sink) is not NOT_NOW:
-                self._bind(key, large)
+                self._bind(key, large, self.cost(key, large))
                 return None
         return self._store_slow(key, large, value, sink)
 
     async def _store_slow(self, key: bytes, large: LargeEntry, value: Any, sink: Any) -> None:
         data = sink.view if sink is not None else value
         await self.kv.put(STRING_NS, large.chunk, b"", data, sink=sink)
-        self._bind(key, large)
+        self._bind(key, large, self.cost(key, large))
 
-    def _bind(self, key: bytes, entry: StringEntry | LargeEntry) -> None:
-        old = self.keyspace.remove(key)
-        if old is not None:
-            self._forget(key, old)
+    def _bind(self, key: bytes, entry: StringEntry | LargeEntry, cost: int) -> None:
+        old = self.keyspace.peek(key)
+        if old is not None and type(old) is not StringEntry:
+            if isinstance(old, LargeEntry):
+                self._drop_chunk(old)
+            else:
+                self.keyspace.delete(key)  # another type's owner must hear that it is gone
+        lru = self._lru
+        before = lru.get(key)
+        lru[key] = cost
+        if before is None:
+            self._bag.add(key)
+            self.used += cost
+        else:  # replaced in place: the key keeps its SCAN order
+            lru.move_to_end(key)
+            self.used += cost - before
         self.keyspace.insert(key, entry)
-        cost = self.cost(key, entry)
-        self.used += cost
-        self._lru[key] = cost
-        self._bag.add(key)
 
     # -- removal --------------------------------------------------------------------------
 
@@ -229,7 +238,11 @@ class StringStore:
         if cost is not None:
             self._bag.discard(key)
             self.used -= cost
-        if isinstance(entry, LargeEntry) and self.kv is not None:
+        if isinstance(entry, LargeEntry):
+            self._drop_chunk(entry)
+
+    def _drop_chunk(self, entry: LargeEntry) -> None:
+        if self.kv is not None:
             rec = self.kv.state.live(entry.chunk_key)
             if rec is not None:
                 self.kv.state.retire(rec)

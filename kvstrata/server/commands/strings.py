@@ -179,7 +179,7 @@ def set_(ctx: Ctx, args: Args) -> Reply:
     opts = parse_set_options(args)
     strings = ctx.server.strings
     key = arg_bytes(args[1])
-    old = strings.lookup(key, count=False)
+    old = ctx.server.keyspace.lookup(key)
     if opts.get:
         old = _check_string(old)
     if (opts.nx and old is not None) or (opts.xx and old is None):
