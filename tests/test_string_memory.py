@@ -43,6 +43,9 @@ def test_allkeys_lru_evicts_least_recently_used_small_values() -> None:
     assert srv.strings.used == sum(_cost(k.decode(), value) for k in srv.keyspace.keys(b"*"))
     assert c.call("GET", "k1") is None and c.call("GET", "k39") == value
     assert srv.strings.evicted_keys == 40 - len(srv.keyspace)
+    assert f"evicted_keys:{srv.strings.evicted_keys}\r\n" in c.call("INFO", "stats").decode()
+    c.call("CONFIG", "RESETSTAT")
+    assert srv.strings.evicted_keys == 0
     info = c.call("INFO", "memory").decode()
     assert "maxmemory:65536\r\n" in info and "maxmemory_policy:allkeys-lru\r\n" in info
     assert f"used_memory_strings:{srv.strings.used}\r\n" in info
@@ -156,6 +159,9 @@ def test_large_value_lives_in_the_arena_and_leaves_with_its_key(make_server) -> 
     assert r.strlen("big") == len(value) and r.type("big") == b"string"
     assert r.keys("*") == [b"big"]  # the value's chunk is not a key of its own
     assert r.info("tiers")["dram_bytes"] >= len(value)
+    used = r.info("tiers")["dram_used"]
+    assert r.set("big", value[::-1], nx=True) is None  # received into a slot, then refused:
+    assert r.info("tiers")["dram_used"] == used  # the slot was given back
     assert r.set("big", b"small now") and r.get("big") == b"small now"
     assert r.set("big2", value, px=50)
     deadline = time.monotonic() + 10

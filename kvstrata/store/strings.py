@@ -5,11 +5,12 @@
   :data:`ENTRY_OVERHEAD` bytes.
 - A **large** value lives in the tiers as a chunk of the internal namespace :data:`STRING_NS`
   (never a client namespace, never in the keyspace, never uploaded to s3, dropped at restart):
-  in the DRAM arena first (GET replies straight from it, zero-copy), demoted to NVMe and evicted
-  from the last tier by the tiers' own LRU, like KV chunks. Its key (:class:`LargeEntry`) counts
-  ``len(key) +`` :data:`ENTRY_OVERHEAD`; its bytes count in the tiers (``INFO tiers``), which
-  bound them. A large value the tiers evicted reads as a miss and its key is deleted then.
-  Without a KV store (no tiers) large values stay in the heap and count in full.
+  in the DRAM arena first (SET receives it into its slot, GET replies from it: no copy),
+  demoted to NVMe and evicted from the last tier by the tiers' own LRU, like KV chunks. Its
+  key (:class:`LargeEntry`) counts ``len(key) +`` :data:`ENTRY_OVERHEAD`; its bytes count in
+  the tiers (``INFO tiers``), which bound them. A large value the tiers evicted reads as a
+  miss and its key is deleted then. Without a KV store (no tiers) large values stay in the
+  heap and count in full.
 
 ``maxmemory`` bounds the counted bytes (0: the DRAM tier's size). Before a write that would go
 over it, keys are evicted by ``maxmemory-policy`` as Redis does — ``allkeys-lru`` (exact LRU),
@@ -181,11 +182,26 @@ class StringStore:
 
     # -- writes ---------------------------------------------------------------------------
 
+    def reserve_sink(self, nbytes: int) -> Any:
+        """A DRAM slot to receive a large SET value straight into (a ``StoreSink``), or None
+        (the value is then received into a buffer and copied by :meth:`store`)."""
+        if nbytes < LARGE_VALUE or self.kv is None or self.kv.state.dram is None:
+            return None
+        return self.kv.reserve_put(STRING_NS, secrets.token_bytes(16), b"", nbytes)
+
     def store(
-        self, key: bytes, value: bytes | bytearray | memoryview, expire_at: int | None
+        self,
+        key: bytes,
+        value: bytes | bytearray | memoryview,
+        expire_at: int | None,
+        sink: Any = None,
     ) -> Awaitable[None] | None:
-        """Set ``key`` to ``value`` (the caller removed a key of another type first). Returns
+        """Set ``key`` to ``value`` (received into ``sink`` when one was reserved). Returns
         None when done, or an awaitable when a large value needs tier I/O first."""
+        if sink is not None:
+            self.make_room(len(key) + ENTRY_OVERHEAD)
+            large = LargeEntry(sink.key.hash, sink.nbytes, expire_at)
+            return self._store_sink(key, large, sink)
         if len(value) < LARGE_VALUE or self.kv is None or self.kv.state.dram is None:
             data = value if isinstance(value, bytes | bytearray) else bytes(value)
             cost = len(key) + len(data) + ENTRY_OVERHEAD
@@ -203,6 +219,12 @@ class StringStore:
                 self._bind(key, large, self.cost(key, large))
                 return None
         return self._store_slow(key, large, value, sink)
+
+    def _store_sink(self, key: bytes, large: LargeEntry, sink: Any) -> Awaitable[None] | None:
+        if self.kv.put_sink_now(STRING_NS, large.chunk, b"", 0, None, sink) is not NOT_NOW:
+            self._bind(key, large, self.cost(key, large))
+            return None
+        return self._store_slow(key, large, None, sink)
 
     async def _store_slow(self, key: bytes, large: LargeEntry, value: Any, sink: Any) -> None:
         data = sink.view if sink is not None else value

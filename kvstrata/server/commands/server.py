@@ -278,6 +278,7 @@ def config_resetstat(ctx: Ctx, args: Args) -> Reply:
     srv = ctx.server
     srv.stats.reset()
     srv.keyspace.hits = srv.keyspace.misses = srv.keyspace.expired_keys = 0
+    srv.strings.evicted_keys = 0
     return OK
 
 

@@ -23,6 +23,14 @@ from kvstrata.store.kvstore_state import NOT_NOW
 from kvstrata.store.strings import LargeEntry, StringStore
 
 
+def _set_sink(ctx: Any, args_so_far: list[Any], nbytes: int) -> Any:
+    """A DRAM slot for a large SET value (argument 2), else None (received into a buffer)."""
+    strings = getattr(ctx.server, "strings", None)
+    if len(args_so_far) != 2 or strings is None:
+        return None
+    return strings.reserve_sink(nbytes)
+
+
 def wrong_type() -> WrongTypeError:
     return WrongTypeError("Operation against a key holding the wrong kind of value")
 
@@ -170,6 +178,7 @@ def parse_set_options(args: Args) -> SetOptions:
             ),
         ),
     ),
+    sink=_set_sink,
     reply="Simple string OK; null when NX/XX prevented the write; with GET, the old value "
     "(or null). Error `-OOM command not allowed when used memory > 'maxmemory'.` when the "
     "value does not fit under maxmemory and maxmemory-policy may not evict (noeviction, or no "
@@ -187,12 +196,13 @@ def set_(ctx: Ctx, args: Args) -> Reply:
     expire_at = opts.expire_at
     if opts.keepttl and old is not None:
         expire_at = old.expire_at
+    sink = ctx.sinks.get(2)  # a large value received straight into a DRAM slot
     if opts.get and isinstance(old, LargeEntry):
-        return _set_after_read(strings, key, old, args[2], expire_at)
+        return _set_after_read(strings, key, old, args[2], expire_at, sink)
     old_value = old.value if opts.get and isinstance(old, StringEntry) else None
     if old is not None and not isinstance(old, StringEntry | LargeEntry):
         ctx.server.keyspace.delete(key)  # the owner of a chunk must hear that it is gone
-    pending = strings.store(key, args[2], expire_at)
+    pending = strings.store(key, args[2], expire_at, sink)
     reply: Reply = old_value if opts.get else OK
     if pending is not None:
         return _finish(pending, reply)  # a coroutine: the connection awaits it, in order
@@ -205,8 +215,9 @@ async def _finish(pending: Any, reply: Reply) -> Reply:
 
 
 async def _set_after_read(
-    strings: StringStore, key: bytes, old: LargeEntry, value: Any, expire_at: int | None
-) -> Reply:
+    strings: StringStore, key: bytes, old: LargeEntry, value: Any, expire_at: int | None,
+    sink: Any,
+) -> Reply:  # fmt: skip
     """SET … GET over a large value: its bytes are copied out before they are replaced."""
     reply = _value_reply(strings, key, old)
     if not isinstance(reply, BulkView | type(None)):
@@ -218,7 +229,7 @@ async def _set_after_read(
         finally:
             if reply.release is not None:
                 reply.release()
-    pending = strings.store(key, value, expire_at)
+    pending = strings.store(key, value, expire_at, sink)
     if pending is not None:
         await pending
     return old_bytes
