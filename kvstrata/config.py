@@ -197,6 +197,20 @@ OPTIONS: tuple[Option, ...] = (
          mutable=True),
     _opt("client-query-buffer-limit", 1024**3, parse_size,
          "Most bytes of unexecuted commands buffered per client.", mutable=True),
+    _opt("maxmemory", 0, parse_size,
+         "Most bytes plain string values (SET) may count: a small value (< 64 KiB) counts key "
+         "+ value + 64, a large one key + 64 (its bytes live in the tiers, which bound them); "
+         "0 = dram-capacity.", mutable=True, **_SIZE),
+    _opt("maxmemory-policy", "allkeys-lru",
+         _choice("allkeys-lru", "allkeys-random", "volatile-lru", "volatile-random",
+                 "volatile-ttl", "noeviction"),
+         "Which string keys a write over maxmemory evicts (Redis's policies); noeviction "
+         "answers -OOM.", mutable=True),
+    _opt("write-wait-queue", 4096, _int(1, 10**6),
+         "Most writes (KV.PUT, KV.RESERVE, promotions for KV.LEASE) waiting in turn for DRAM "
+         "room; more get -OOM.", mutable=True),
+    _opt("write-wait-timeout", 30000, _int(1, 3_600_000),
+         "Most ms a write waits in turn for DRAM room before -OOM.", mutable=True),
     _opt("shutdown-timeout", 10, _int(0, 3600),
          "Seconds in-flight commands get to finish on shutdown.", mutable=True),
     _opt("slowlog-log-slower-than", 10000, _int(-1, 10**12),
@@ -331,6 +345,12 @@ def _check(values: Mapping[str, Any]) -> None:
             )
     if values["tls-port"] and not (values["tls-cert-file"] and values["tls-key-file"]):
         raise ConfigError("invalid value for 'tls-port': needs tls-cert-file and tls-key-file")
+    if values["tls-port"] and values["tls-auth-clients"] != "no" and not values["tls-ca-cert-file"]:
+        # Redis refuses this too: no client certificate could ever be verified
+        raise ConfigError(
+            f"invalid value for 'tls-auth-clients': {values['tls-auth-clients']} needs "
+            "tls-ca-cert-file (the CA that signs client certificates)"
+        )
 
 
 def load_config(

@@ -17,6 +17,7 @@ from kvstrata.server.context import ClientState, ServerStats
 from kvstrata.server.registry import CommandSpec, CommandTable, load_all
 from kvstrata.server.slowlog import SlowLog
 from kvstrata.store.keyspace import Keyspace
+from kvstrata.store.strings import StringStore
 
 _ids = itertools.count(1)
 
@@ -35,6 +36,7 @@ class FakeServer:
         )
         self.config_file = ""
         self.keyspace = Keyspace()
+        self.strings = StringStore(self.keyspace, self.config)
         self.store: Any = None
         self.registry: CommandTable = load_all()
         self.clients: dict[int, FakeCtx] = {}

@@ -18,11 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstrata.config import Config
+from kvstrata.config import Config, ConfigError
 from kvstrata.server.connection import Connection
 from kvstrata.server.context import ClientState, ServerStats
 from kvstrata.server.registry import load_all
 from kvstrata.store.keyspace import Keyspace
+from kvstrata.store.strings import StringStore
 
 log = logging.getLogger("kvstrata.server")
 
@@ -34,6 +35,7 @@ class Server:
         self.config = config
         self.config_file = config_file
         self.keyspace = Keyspace()
+        self.strings = StringStore(self.keyspace, config)
         self.store: Any = None
         self.registry = load_all()
         self.clients: dict[int, Connection] = {}
@@ -56,7 +58,9 @@ class Server:
     async def start(self) -> None:
         """Build the store, open the listeners and start periodic work."""
         _ensure_data_dir(self.config.data_dir)
+        tls_context = self._ssl_context() if self.config.tls_port else None
         self.store = await _build_store(self.config, self.keyspace)
+        self.strings.kv = self.store  # large plain values live in its tiers
         loop = asyncio.get_running_loop()
         hosts = [h.lstrip("-") for h in self.config.binds]
         hosts = [None if h == "*" else h for h in hosts]  # type: ignore[misc]
@@ -70,7 +74,7 @@ class Server:
         if self.config.tls_port:
             tls = await loop.create_server(
                 lambda: Connection(self), host=hosts, port=self.config.tls_port,
-                ssl=self._ssl_context(), reuse_address=True,
+                ssl=tls_context, reuse_address=True,
             )  # fmt: skip
             self._servers.append(tls)
             self.tls_port = tls.sockets[0].getsockname()[1]
@@ -79,11 +83,25 @@ class Server:
         self._ready.set()
 
     def _ssl_context(self) -> ssl.SSLContext:
+        """The TLS listener's context; ConfigError naming the key whose file is unusable
+        (start-up stops with that message instead of refusing every client later)."""
         cfg = self.config
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+        try:
+            ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"invalid value for 'tls-cert-file'/'tls-key-file': cannot load "
+                f"{cfg.tls_cert_file} with {cfg.tls_key_file}: {_reason(exc)}"
+            ) from None
         if cfg.tls_ca_cert_file:
-            ctx.load_verify_locations(cfg.tls_ca_cert_file)
+            try:
+                ctx.load_verify_locations(cfg.tls_ca_cert_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(
+                    f"invalid value for 'tls-ca-cert-file': cannot load "
+                    f"{cfg.tls_ca_cert_file}: {_reason(exc)}"
+                ) from None
         ctx.verify_mode = {
             "yes": ssl.CERT_REQUIRED,
             "optional": ssl.CERT_OPTIONAL,
@@ -179,6 +197,12 @@ class Server:
             if conn.idle_seconds > timeout and not conn.busy and conn not in self.monitors:
                 log.debug("closing idle client %s", conn.client.addr)
                 conn.kill()
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return str(exc.reason or exc)
+    return str(getattr(exc, "strerror", None) or exc)
 
 
 def _ensure_data_dir(path: str) -> None:

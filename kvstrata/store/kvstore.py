@@ -104,6 +104,7 @@ class KVStore:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         self._background = []
+        await self.placement.room.close()
         for lease in self.state.leases.take_all():
             self._end_lease(lease)
         await self.state.drain()
@@ -240,7 +241,11 @@ class KVStore:
     def check_link(self, ns: str, hash: bytes, parent: bytes) -> None:
         """Refuse a parent link that would close a loop (a chunk in a loop is never a leaf,
         so it could never be evicted)."""
-        if self.index.makes_cycle(ChunkKey(ns, hash), parent):
+        key = ChunkKey(ns, hash)
+        rec = self.index.get(key)
+        if rec is not None and rec.parent == parent:
+            return  # the same link again (a re-PUT): no climb up the chain
+        if self.index.makes_cycle(key, parent):
             raise CommandError("invalid parent: the chain would loop back to this chunk")
 
     def match(self, ns: str, hashes: Sequence[bytes]) -> int:
@@ -378,6 +383,9 @@ class KVStore:
             ("kv_leases", len(self.state.leases)),
             ("kv_leases_expired", self.state.leases.expired),
             ("kv_store_errors", self.state.errors),
+            ("kv_write_waiting", len(self.placement.room)),
+            ("kv_write_waited", self.placement.room.waited),
+            ("kv_write_wait_timeouts", self.placement.room.timeouts),
         ]
         persistence: list[tuple[str, object]] = [
             (f"rebuild_{k}", round(v, 3) if isinstance(v, float) else v)

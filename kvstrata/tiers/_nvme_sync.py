@@ -50,7 +50,7 @@ class GroupSync:
     """
 
     def __init__(self, marker: str, per_file: bool) -> None:
-        self._marker = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._marker = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._per_file = per_file
         self._cond = threading.Condition()
         self._waiting: list[tuple[int, Future[None]]] = []

@@ -130,7 +130,9 @@ _PUT_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
         Arg("nx", "pure-token", optional=True, token="NX"),
     ),
     reply="Integer: 1 when stored, 0 when NX was given and the chunk already exists. "
-    "-OOM when it fits in no tier.",
+    "-OOM when it fits in no tier; `-OOM N writes are already waiting for DRAM room "
+    "(write-wait-queue)` / `-OOM no DRAM room for N bytes within S s (write-wait-timeout)` "
+    "when the queue for DRAM room is full or its wait ran out.",
     sink=_put_sink,
 )
 def kv_put(ctx: Ctx, args: Args) -> Reply:

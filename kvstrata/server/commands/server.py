@@ -74,14 +74,18 @@ def _server_fields(ctx: Ctx) -> Fields:
 
 def _memory_fields(ctx: Ctx) -> Fields:
     used = ctx.server.used_memory()
-    maxmemory = int(ctx.server.config.get("dram-capacity"))
+    strings = ctx.server.strings
+    maxmemory = strings.limit  # what is enforced (maxmemory 0 means dram-capacity)
     return [
         ("used_memory", used),
         ("used_memory_human", human_bytes(used)),
         ("used_memory_rss", used),
         ("used_memory_rss_human", human_bytes(used)),
+        ("used_memory_strings", strings.used),  # what maxmemory counts (kvstrata.store.strings)
+        ("used_memory_strings_human", human_bytes(strings.used)),
         ("maxmemory", maxmemory),
         ("maxmemory_human", human_bytes(maxmemory)),
+        ("maxmemory_policy", strings.policy),
     ]
 
 
@@ -94,6 +98,7 @@ def _stats_fields(ctx: Ctx) -> Fields:
         ("total_net_output_bytes", stats.total_net_output_bytes),
         ("rejected_connections", stats.rejected_connections),
         ("expired_keys", ks.expired_keys),
+        ("evicted_keys", ctx.server.strings.evicted_keys),
         ("keyspace_hits", ks.hits),
         ("keyspace_misses", ks.misses),
         ("total_error_replies", stats.total_error_replies),
@@ -273,6 +278,7 @@ def config_resetstat(ctx: Ctx, args: Args) -> Reply:
     srv = ctx.server
     srv.stats.reset()
     srv.keyspace.hits = srv.keyspace.misses = srv.keyspace.expired_keys = 0
+    srv.strings.evicted_keys = 0
     return OK
 
 
