@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 from pathlib import Path
 
 from kvstrata import __version__
@@ -78,12 +79,13 @@ def serve(config: Config, config_file: str = "") -> int:
     async def run() -> None:
         server = Server(config, config_file)
         runner = asyncio.ensure_future(server.run(install_signals=True))
-        ready = asyncio.ensure_future(server.wait_ready())
-        await asyncio.wait([runner, ready], return_when=asyncio.FIRST_COMPLETED)
-        if ready.done() and not runner.done():
-            log.info(_startup_line(server, loop_name))
-        else:
-            ready.cancel()
+        for step, line in ((server.wait_listening, _listening_line), (server.wait_ready, None)):
+            waiter = asyncio.ensure_future(step())
+            await asyncio.wait([runner, waiter], return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done() or runner.done():
+                waiter.cancel()
+                break
+            log.info(line(server) if line else _startup_line(server, loop_name))
         await runner
 
     try:
@@ -106,6 +108,16 @@ def _startup_errors() -> tuple[type[BaseException], ...]:
     return (TierError,)
 
 
+def _listening_line(server: object) -> str:
+    from kvstrata.server.app import Server
+
+    assert isinstance(server, Server)
+    return (
+        f"kvstrata {__version__} listening on {server.config.bind} port={server.port}; loading "
+        "(pre-touching the DRAM arena, rebuilding the index): commands get -LOADING until ready"
+    )
+
+
 def _startup_line(server: object, loop_name: str) -> str:
     from kvstrata.server.app import Server
 
@@ -125,6 +137,7 @@ def _startup_line(server: object, loop_name: str) -> str:
         f"data-dir={Path(cfg.data_dir).resolve()}",
         f"tiers: {tiers}",
         f"loop={loop_name}",
+        f"loaded in {time.time() - server.loading_start_time:.2f}s",
     ]
     return " ".join(parts)
 

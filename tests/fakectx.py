@@ -45,9 +45,13 @@ class FakeServer:
         self.run_id = "ab" * 20
         self.port = 7379
         self.shutdown_requested = False
+        self.shutdown_save = True
+        self.loading = False
+        self.loading_start_time = 0.0
 
-    def request_shutdown(self) -> None:
+    def request_shutdown(self, save: bool = True) -> None:
         self.shutdown_requested = True
+        self.shutdown_save = save
 
     def used_memory(self) -> int:
         return 3 * 1024 * 1024

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvstrata.protocol.encoder import encode_reply, join_small
 from kvstrata.protocol.errors import (
     CommandError,
+    LoadingError,
     NoAuthError,
     ProtocolError,
     RespError,
@@ -200,6 +201,7 @@ class Connection(asyncio.BufferedProtocol):
             or (spec.arity > 0 and len(args) != spec.arity)
             or len(args) < -spec.arity
             or not self.client.authenticated
+            or server.loading
         ):
             try:
                 spec = self._resolve(server.registry.lookup(args[0]), args)
@@ -255,6 +257,8 @@ class Connection(asyncio.BufferedProtocol):
             raise CommandError(f"wrong number of arguments for '{spec.name.lower()}' command")
         if not self._authenticated() and "no_auth" not in spec.flags:
             raise NoAuthError("Authentication required.")
+        if self.server.loading and "loading" not in spec.flags:
+            raise LoadingError()  # as Redis: only commands flagged `loading` run meanwhile
         return spec
 
     async def _finish_async(

@@ -42,7 +42,11 @@ async def rebuild_index(state: StoreState, report: dict[str, float]) -> None:
 
 async def _rebuild_from(state: StoreState, tier: Tier, report: dict[str, float]) -> None:
     found = 0
+    last_log = time.monotonic()
     async for meta in tier.scan():
+        if time.monotonic() - last_log >= 1.0:
+            last_log = time.monotonic()
+            log.info("rebuilding the index from %s: %d chunks so far", tier.name, found)
         rec = state.index.get(meta.key)
         if rec is None:
             rec = record_from_meta(meta)

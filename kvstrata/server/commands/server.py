@@ -85,6 +85,19 @@ def _memory_fields(ctx: Ctx) -> Fields:
     ]
 
 
+def _loading_fields(ctx: Ctx) -> Fields:
+    """Redis's loading fields: 1 from the moment the port is bound until the store is ready."""
+    srv = ctx.server
+    fields: Fields = [("loading", int(srv.loading)), ("async_loading", 0)]
+    if srv.loading:
+        fields += [
+            ("loading_start_time", int(srv.loading_start_time)),
+            ("loading_eta_seconds", -1),
+            ("loading_elapsed_seconds", int(time.time() - srv.loading_start_time)),
+        ]
+    return fields
+
+
 def _stats_fields(ctx: Ctx) -> Fields:
     stats, ks = ctx.server.stats, ctx.server.keyspace
     return [
@@ -128,6 +141,7 @@ def info_sections(ctx: Ctx) -> dict[str, Fields]:
             ("monitor_clients", len(srv.monitors)),
         ],
         "memory": _memory_fields(ctx),
+        "persistence": _loading_fields(ctx),
         "stats": _stats_fields(ctx),
         "replication": [("role", "master"), ("connected_slaves", 0)],
         "cpu": _cpu_fields(),
@@ -325,8 +339,10 @@ _SHUTDOWN_OPTS = {b"NOSAVE", b"SAVE", b"NOW", b"FORCE", b"ABORT"}
     -1,
     _ADMIN + " no_multi allow_busy",
     group="server",
-    summary="Shuts the server down gracefully (in-flight commands finish, tiers are closed).",
-    complexity="O(N) when saving, where N is the total number of keys in all databases",
+    summary="Shuts the server down gracefully: in-flight commands finish, chunks held only in "
+    "memory (DRAM, GPU) are written to NVMe (not with NOSAVE; within shutdown-timeout), tiers "
+    "are closed.",
+    complexity="O(N) where N is the number of chunks held only in memory (none with NOSAVE)",
     arguments=(
         Arg(
             "save-selector",
@@ -351,6 +367,6 @@ def shutdown(ctx: Ctx, args: Args) -> Reply:
         raise syntax_error()
     if b"ABORT" in opts:
         raise CommandError("No shutdown in progress.")  # shutdowns here are never pending
-    ctx.server.request_shutdown()
+    ctx.server.request_shutdown(save=b"NOSAVE" not in opts)
     ctx.close_after_reply()
     return NO_REPLY
