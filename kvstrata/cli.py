@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,13 +18,19 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstrata", description="A tiered cache server for LLM KV caches (speaks RESP)."
     )
+    parser.add_argument("--version", action="version", version=f"kvstrata {__version__}")
     sub = parser.add_subparsers(dest="command")
-    serve = sub.add_parser("serve", help="run the server (DRAM + NVMe under --data-dir)")
-    serve.add_argument("--config", metavar="FILE", help="TOML config file")
+    serve = sub.add_parser(
+        "serve", help="run the server (DRAM + NVMe under --data-dir)",
+        description="Run the server. Every option can also be set with its KVSTRATA_* "
+        "environment variable or a key of the --config file; flags win.",
+    )  # fmt: skip
+    serve.add_argument("--config", metavar="FILE", help="TOML config file (env KVSTRATA_CONFIG)")
     for opt in OPTIONS:
+        default = opt.fmt(opt.default) if opt.default != "" else "empty"
         serve.add_argument(
-            f"--{opt.name}", dest=opt.name.replace("-", "_"), metavar="VALUE", default=None,
-            help=f"{opt.doc} (default: {opt.fmt(opt.default) if opt.default != '' else 'empty'})",
+            f"--{opt.name}", dest=opt.name.replace("-", "_"), metavar=opt.metavar, default=None,
+            help=f"{opt.doc} (default: {default}; env {opt.env})".replace("%", "%%"),
         )  # fmt: skip
     sub.add_parser("version", help="print the version")
     sub.add_parser(
@@ -44,12 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         _parser().print_help()
         return 2
     flags = {o.name: getattr(args, o.name.replace("-", "_")) for o in OPTIONS}
+    config_file = args.config or os.environ.get("KVSTRATA_CONFIG") or None
     try:
-        config = load_config(flags=flags, config_file=args.config)
+        config = load_config(flags=flags, config_file=config_file)
     except ConfigError as exc:
         print(f"kvstrata: configuration error: {exc}", file=sys.stderr)
         return 2
-    return serve(config, args.config or "")
+    return serve(config, config_file or "")
 
 
 def _demo(argv: list[str]) -> int:

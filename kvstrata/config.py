@@ -122,6 +122,7 @@ def _choice(*choices: str) -> Callable[[Any], str]:
             raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
         return value
 
+    parse.choices = choices  # type: ignore[attr-defined]  # shown by --help
     return parse
 
 
@@ -153,6 +154,33 @@ class Option:
     mutable: bool = False  # CONFIG SET allowed at run time
     secret: bool = False
     fmt: Callable[[Any], str] = str
+
+    @property
+    def env(self) -> str:
+        """The environment variable: ``KVSTRATA_DRAM_CAPACITY``."""
+        return "KVSTRATA_" + self.name.upper().replace("-", "_")
+
+    @property
+    def metavar(self) -> str:
+        """What ``--help`` shows for the value: ``{a,b}``, ``SIZE``, ``yes|no``, ``N``…"""
+        choices = getattr(self.parse, "choices", None)
+        if choices:
+            return "{" + ",".join(choices) + "}"
+        if self.parse is parse_size:
+            return "SIZE"
+        if self.parse is _bool:
+            return "yes|no"
+        if self.parse is _ratio:
+            return "RATIO"
+        if self.parse is _bind:
+            return "ADDR"
+        if isinstance(self.default, float):
+            return "SECONDS" if "timeout" in self.name else "NUMBER"
+        if isinstance(self.default, int):
+            units = {"timeout": "SECONDS", "ttl": "MS", "slower-than": "MICROS"}
+            return next((u for k, u in units.items() if self.name.endswith(k)), "N")
+        pathy = any(w in self.name for w in ("file", "path", "dir"))
+        return "PATH" if pathy else "TEXT"
 
 
 def _opt(name: str, default: Any, parse: Callable[[Any], Any], doc: str, **kw: Any) -> Option:

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvstrata.config import Config, load_config
 from kvstrata.protocol.errors import CommandError, NoAuthError, RespError, wrong_arity
+from kvstrata.server.cmdstats import CommandStats
 from kvstrata.server.context import ClientState, ServerStats
 from kvstrata.server.registry import CommandSpec, CommandTable, load_all
 from kvstrata.server.slowlog import SlowLog
@@ -39,6 +40,7 @@ class FakeServer:
         self.registry: CommandTable = load_all()
         self.clients: dict[int, FakeCtx] = {}
         self.stats = ServerStats()
+        self.cmdstats = CommandStats()
         self.slowlog = SlowLog(self.config)
         self.monitors: set[FakeCtx] = set()
         self.start_time = time.time() - 90000

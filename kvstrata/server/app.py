@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.config import Config
+from kvstrata.server.cmdstats import CommandStats
 from kvstrata.server.connection import Connection
 from kvstrata.server.context import ClientState, ServerStats
 from kvstrata.server.registry import load_all
@@ -43,6 +44,7 @@ class Server:
         self.registry = load_all()
         self.clients: dict[int, Connection] = {}
         self.stats = ServerStats()
+        self.cmdstats = CommandStats()
         self.monitors: set[Connection] = set()
         self.start_time = time.time()
         self.run_id = secrets.token_hex(20)

@@ -80,8 +80,9 @@ class Connection(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername") or ("", 0)
         sock = transport.get_extra_info("sockname") or ("", 0)
         self.client = ClientState(
-            id=server.next_client_id(), addr=fmt_addr(peer), laddr=fmt_addr(sock)
-        )
+            id=server.next_client_id(), addr=fmt_addr(peer), laddr=fmt_addr(sock),
+            fd=_fileno(transport),
+        )  # fmt: skip
         server.stats.total_connections_received += 1
         cfg = server.config
         refused = refusal(cfg, len(server.clients), peer)
@@ -207,6 +208,7 @@ class Connection(asyncio.BufferedProtocol):
                 spec = self._resolve(server.registry.lookup(args[0]), args)
             except RespError as exc:
                 self._abort_sinks(sinks)
+                self._reject(args)
                 self._reply_error(exc)
                 return
         if server.monitors and not spec.flags & _NOT_MONITORED:
@@ -229,12 +231,14 @@ class Connection(asyncio.BufferedProtocol):
         if sinks:
             self.sinks = _NO_SINKS
             self._abort_sinks(sinks)
+        elapsed = perf_counter() - started
+        server.cmdstats.record(spec.name, elapsed, isinstance(result, RespError))
         t = type(result)
         if t is bytes or t is Simple or t is int or result is None:
             encode_reply(result, self._resp3, self._out)
         else:
             self._reply(result)
-        if perf_counter() - started > self._slow:
+        if elapsed > self._slow:
             server.slowlog_record(started, args, self.client)
 
     def _internal_error(self, spec: CommandSpec, exc: Exception) -> CommandError:
@@ -277,6 +281,9 @@ class Connection(asyncio.BufferedProtocol):
                 self._abort_sinks(sinks)
         self._busy = False
         self._task = None
+        self.server.cmdstats.record(
+            spec.name, perf_counter() - started, isinstance(result, RespError)
+        )
         if self._closing:
             release_now(result)
             return
@@ -300,8 +307,18 @@ class Connection(asyncio.BufferedProtocol):
         self._pins.collect(value)
         encode_reply(value, self._resp3, self._out)
 
+    def _reject(self, args: list[Any]) -> None:
+        """Count a known command refused before it ran (rejected_calls in commandstats)."""
+        spec = self.server.registry.lookup(args[0])
+        if spec is None:
+            return
+        if spec.subcommands and len(args) >= 2:
+            spec = spec.subcommands.get(bytes(args[1]).upper().decode("utf-8", "replace"), spec)
+        self.server.cmdstats.reject(spec.name)
+
     def _reply_error(self, exc: RespError) -> None:
         self.server.stats.total_error_replies += 1
+        self.server.cmdstats.error(exc.prefix)
         self._out.append(b"-%b\r\n" % exc.reply_line())
 
     def _flush(self) -> None:
@@ -400,6 +417,14 @@ class Connection(asyncio.BufferedProtocol):
     @property
     def busy(self) -> bool:
         return self._busy
+
+
+def _fileno(transport: asyncio.BaseTransport) -> int:
+    sock = transport.get_extra_info("socket")
+    try:
+        return int(sock.fileno()) if sock is not None else -1
+    except (OSError, ValueError):
+        return -1
 
 
 def _trunc(arg: Any, limit: int = 128) -> str:

@@ -149,6 +149,8 @@ def info_sections(ctx: Ctx) -> dict[str, Fields]:
     store_sections = srv.store.info_sections() if srv.store is not None else {}
     for name, fields in store_sections.items():
         sections.setdefault(name.lower(), []).extend(fields)
+    sections["commandstats"] = srv.cmdstats.info_commandstats()
+    sections["errorstats"] = srv.cmdstats.info_errorstats()
     keys = len(ks)
     sections["keyspace"] = (
         [("db0", f"keys={keys},expires={ks.count_expiring()},avg_ttl=0")] if keys else []
@@ -156,10 +158,16 @@ def info_sections(ctx: Ctx) -> dict[str, Fields]:
     return sections
 
 
+_NOT_DEFAULT = ("commandstats", "errorstats")
+
+
 def render_info(sections: dict[str, Fields], wanted: list[str]) -> bytes:
-    """The INFO text for the requested section names (``default``/``all``/``everything``)."""
-    if not wanted or any(w in ("all", "everything", "default") for w in wanted):
+    """The INFO text for the requested section names (``default``/``all``/``everything``;
+    as in Redis, commandstats and errorstats are left out of the default set)."""
+    if any(w in ("all", "everything") for w in wanted):
         names = list(sections)
+    elif not wanted or "default" in wanted:
+        names = [n for n in sections if n not in _NOT_DEFAULT or n in wanted]
     else:
         names = [n for n in sections if n in wanted]
     parts = []
@@ -286,6 +294,7 @@ def config_set(ctx: Ctx, args: Args) -> Reply:
 def config_resetstat(ctx: Ctx, args: Args) -> Reply:
     srv = ctx.server
     srv.stats.reset()
+    srv.cmdstats.reset()
     srv.keyspace.hits = srv.keyspace.misses = srv.keyspace.expired_keys = 0
     return OK
 
