@@ -61,11 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    try:
-        from kvstrata.demo import main as demo_main
-    except ImportError as exc:
-        print(f"kvstrata demo needs the 'hf' extra: pip install 'kvstrata[hf]' ({exc})")
-        return 2
+    from kvstrata.demo import main as demo_main  # imports neither torch nor transformers
+
     return demo_main(argv)
 
 

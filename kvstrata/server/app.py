@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstrata.config import Config
+from kvstrata.config import Config, ConfigError
 from kvstrata.server.cmdstats import CommandStats
 from kvstrata.server.connection import Connection
 from kvstrata.server.context import ClientState, ServerStats
@@ -58,6 +58,7 @@ class Server:
         self._shutdown = asyncio.Event()
         self._save_on_shutdown = True
         self._listening = asyncio.Event()
+        self.metrics: Any = None  # the /metrics endpoint when metrics-port is set
         self._ready = asyncio.Event()
         #: true from the moment the port is bound until the store is ready (INFO loading:1)
         self.loading = False
@@ -93,8 +94,20 @@ class Server:
             self._servers.append(tls)
             self.tls_port = tls.sockets[0].getsockname()[1]
             self.config.values["tls-port"] = self.tls_port
+        await self._start_metrics(hosts[0] or "0.0.0.0")
         self._cron = asyncio.ensure_future(self._cron_loop())
         self._listening.set()
+
+    async def _start_metrics(self, host: str) -> None:
+        if not self.config.metrics_port:
+            return
+        from kvstrata.server.metrics import INSTALL_HINT, MetricsEndpoint, metrics_available
+
+        if not metrics_available():
+            raise ConfigError(INSTALL_HINT)
+        self.metrics = MetricsEndpoint(self)
+        await self.metrics.start(host, self.config.metrics_port)
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, self.metrics.port)
 
     async def load(self) -> None:
         """Build the store (pre-touch, index rebuild); then commands are no longer refused."""
@@ -161,6 +174,9 @@ class Server:
         for srv in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(srv.wait_closed(), 1.0)
+        if self.metrics is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.metrics.close(), 1.0)
         if self.store is not None:
             await self.store.close(save_budget=self._save_budget())
         log.info("kvstrata stopped")
@@ -270,8 +286,21 @@ def _make_slowlog(config: Config) -> Any:
     return SlowLog(config)
 
 
+def _import_store(config: Config) -> None:
+    """Import the store and the modules of the configured tiers (numpy, boto3…): run on a
+    worker thread so that the event loop keeps answering PING meanwhile."""
+    import importlib
+
+    from kvstrata.store.kvstore_build import tier_modules
+
+    importlib.import_module("kvstrata.store.kvstore")
+    for module in tier_modules(config):
+        importlib.import_module(module)
+
+
 async def _build_store(config: Config, keyspace: Keyspace) -> Any:
     try:
+        await asyncio.get_running_loop().run_in_executor(None, _import_store, config)
         from kvstrata.store.kvstore import KVStore
     except ImportError:
         log.warning("KV store not available: KV.* commands are disabled")
