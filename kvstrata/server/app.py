@@ -107,6 +107,7 @@ class Server:
             raise ConfigError(INSTALL_HINT)
         self.metrics = MetricsEndpoint(self)
         await self.metrics.start(host, self.config.metrics_port)
+        self.cmdstats.histograms = True
         log.info("Prometheus metrics on http://%s:%d/metrics", host, self.metrics.port)
 
     async def load(self) -> None:

@@ -1,10 +1,11 @@
 """Per-command statistics: INFO commandstats and errorstats (Redis's formats), and the latency
 histograms the Prometheus exporter publishes.
 
-The connection calls :meth:`CommandStats.record` once per executed command (a dict look-up, a
-few additions and a bisect), :meth:`CommandStats.reject` for a command refused before it ran
-(arity, ``NOAUTH``, ``LOADING``) and :meth:`CommandStats.error` for every error reply, keyed by
-its first word as Redis does (``errorstat_ERR:count=3``). ``CONFIG RESETSTAT`` resets them.
+The connection calls :meth:`CommandStats.record` once per executed command (a dict look-up
+and a few additions; a bisect into the latency buckets only while the metrics endpoint is on),
+:meth:`CommandStats.reject` for a command refused before it ran (arity, ``NOAUTH``,
+``LOADING``) and :meth:`CommandStats.error` for every error reply, keyed by its first word as
+Redis does (``errorstat_ERR:count=3``). ``CONFIG RESETSTAT`` resets them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class CommandStats:
     def __init__(self) -> None:
         self.commands: dict[str, CommandStat] = {}
         self.errors: dict[str, int] = {}
+        #: fill the latency buckets too (only the metrics endpoint reads them)
+        self.histograms = False
 
     def _stat(self, name: str) -> CommandStat:
         stat = self.commands.get(name)
@@ -55,12 +58,15 @@ class CommandStats:
 
     def record(self, name: str, seconds: float, failed: bool) -> None:
         """One executed command (``name`` as in the registry: ``GET``, ``CONFIG|GET``)."""
-        stat = self.commands.get(name) or self._stat(name)
+        stat = self.commands.get(name)
+        if stat is None:
+            stat = self._stat(name)
         stat.calls += 1
         stat.seconds += seconds
-        stat.buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
         if failed:
             stat.failed += 1
+        if self.histograms:
+            stat.buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def reject(self, name: str) -> None:
         self._stat(name).rejected += 1
