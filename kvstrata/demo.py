@@ -27,7 +27,7 @@ from typing import Any
 
 __all__ = ["EmbeddedServer", "TurnReport", "build_model", "main"]
 
-_READY = re.compile(r"ready on \S+ port=(\d+)")
+_READY = re.compile(r"ready on .* port=(\d+)")
 #: the folder holding the running ``kvstrata`` package, put first on the child's path
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
