@@ -47,9 +47,9 @@ class LoggedServer:
         return redis.Redis(port=self.port, retry_on_error=[])
 
     def stop(self, how: str) -> str:
-        """Stop with ``SHUTDOWN [...]`` or ``SIGTERM``; returns the whole log."""
-        if how == "SIGTERM":
-            self.proc.send_signal(signal.SIGTERM)
+        """Stop with ``SHUTDOWN [...]``, ``SIGTERM`` or ``SIGINT``; returns the whole log."""
+        if how.startswith("SIG"):
+            self.proc.send_signal(getattr(signal, how))
         else:
             with pytest.raises(redis.exceptions.ConnectionError):
                 self.client().execute_command(*how.split())
@@ -105,8 +105,16 @@ def _start(tmp_path: Path, servers: list[LoggedServer], n: int, **flags: str) ->
     return srv
 
 
-@pytest.mark.parametrize("how", ["SHUTDOWN", "SHUTDOWN SAVE", "SIGTERM"])
-@pytest.mark.parametrize("policy", ["write-back", "write-through"])
+@pytest.mark.parametrize(
+    ("policy", "how"),
+    [
+        ("write-back", "SHUTDOWN"),
+        ("write-back", "SHUTDOWN SAVE"),
+        ("write-back", "SIGTERM"),
+        ("write-back", "SIGINT"),
+        ("write-through", "SIGTERM"),
+    ],
+)
 def test_planned_restart_brings_every_chunk_back(
     tmp_path: Path, servers: list[LoggedServer], how: str, policy: str
 ) -> None:
