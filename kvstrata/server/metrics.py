@@ -140,21 +140,18 @@ class Collector:
                 if isinstance(row.get(field), int | float):
                     metric.add_metric([tier], row[field])
             yield metric
-        state = store.state
-        for name, kind, doc, value in (
-            ("chunks", "gauge", "Chunks in the index.", len(state.index)),
-            ("leases", "gauge", "Leases held.", len(state.leases)),
-            ("leases_expired", "counter", "Leases ended by their TTL.", state.leases.expired),
+        sections = store.info_sections()  # the INFO fields, by section
+        info = {k: v for fields in sections.values() for k, v in fields}
+        for name, field, kind, doc in (
+            ("chunks", "kv_chunks", "gauge", "Chunks in the index."),
+            ("leases", "kv_leases", "gauge", "Leases held."),
+            ("leases_expired", "kv_leases_expired", "counter", "Leases ended by their TTL."),
+            *_PREFETCH_FIELDS,
         ):
             metric = family(name, kind, doc)
-            metric.add_metric([], value)
+            metric.add_metric([], info.get(field, 0))
             yield metric
-        prefetch = dict(store.hints.info())
-        for name, field, kind, doc in _PREFETCH_FIELDS:
-            metric = family(name, kind, doc)
-            metric.add_metric([], prefetch.get(field, 0))
-            yield metric
-        yield from _s3_families(family, rows.get("s3"), dict(store.remote.info()))
+        yield from _s3_families(family, rows.get("s3"), info)
 
 
 def _s3_families(family: Any, row: dict[str, Any] | None, remote: dict[str, Any]) -> Iterator[Any]:
