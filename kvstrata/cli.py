@@ -11,7 +11,16 @@ import time
 from pathlib import Path
 
 from kvstrata import __version__
-from kvstrata.config import LOG_LEVELS, OPTIONS, Config, ConfigError, format_size, load_config
+from kvstrata.config import (
+    LOG_LEVELS,
+    METAVARS,
+    OPTIONS,
+    Config,
+    ConfigError,
+    Option,
+    format_size,
+    load_config,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     for opt in OPTIONS:
         default = opt.fmt(opt.default) if opt.default != "" else "empty"
         serve.add_argument(
-            f"--{opt.name}", dest=opt.name.replace("-", "_"), metavar=opt.metavar, default=None,
+            f"--{opt.name}", dest=opt.name.replace("-", "_"), metavar=_metavar(opt), default=None,
             help=f"{opt.doc} (default: {default}; env {opt.env})".replace("%", "%%"),
         )  # fmt: skip
     sub.add_parser("version", help="print the version")
@@ -37,6 +46,21 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="multi-turn transformers demo against an embedded server (demo --help)"
     )
     return parser
+
+
+def _metavar(opt: Option) -> str:
+    """What ``--help`` shows for the value: ``{a,b}``, ``SIZE``, ``yes|no``, ``N``…"""
+    choices = getattr(opt.parse, "choices", None)
+    if choices:
+        return "{" + ",".join(choices) + "}"
+    if opt.parse in METAVARS:
+        return METAVARS[opt.parse]
+    if isinstance(opt.default, float):
+        return "SECONDS" if "timeout" in opt.name else "NUMBER"
+    if isinstance(opt.default, int):
+        units = {"timeout": "SECONDS", "ttl": "MS", "slower-than": "MICROS"}
+        return next((u for k, u in units.items() if opt.name.endswith(k)), "N")
+    return "PATH" if any(w in opt.name for w in ("file", "path", "dir")) else "TEXT"
 
 
 def main(argv: list[str] | None = None) -> int:

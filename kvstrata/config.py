@@ -160,28 +160,6 @@ class Option:
         """The environment variable: ``KVSTRATA_DRAM_CAPACITY``."""
         return "KVSTRATA_" + self.name.upper().replace("-", "_")
 
-    @property
-    def metavar(self) -> str:
-        """What ``--help`` shows for the value: ``{a,b}``, ``SIZE``, ``yes|no``, ``N``…"""
-        choices = getattr(self.parse, "choices", None)
-        if choices:
-            return "{" + ",".join(choices) + "}"
-        if self.parse is parse_size:
-            return "SIZE"
-        if self.parse is _bool:
-            return "yes|no"
-        if self.parse is _ratio:
-            return "RATIO"
-        if self.parse is _bind:
-            return "ADDR"
-        if isinstance(self.default, float):
-            return "SECONDS" if "timeout" in self.name else "NUMBER"
-        if isinstance(self.default, int):
-            units = {"timeout": "SECONDS", "ttl": "MS", "slower-than": "MICROS"}
-            return next((u for k, u in units.items() if self.name.endswith(k)), "N")
-        pathy = any(w in self.name for w in ("file", "path", "dir"))
-        return "PATH" if pathy else "TEXT"
-
 
 def _opt(name: str, default: Any, parse: Callable[[Any], Any], doc: str, **kw: Any) -> Option:
     return Option(name, default, parse, doc, **kw)
@@ -273,6 +251,10 @@ OPTIONS: tuple[Option, ...] = (
          mutable=True, **_SIZE),
 )  # fmt: skip
 _BY_NAME = {o.name: o for o in OPTIONS}
+#: what ``serve --help`` shows for the values of each parser (``_choice`` lists its choices)
+METAVARS: dict[Callable[[Any], Any], str] = {
+    parse_size: "SIZE", _bool: "yes|no", _ratio: "RATIO", _bind: "ADDR",
+}  # fmt: skip
 
 
 def _attr(name: str) -> str:

@@ -11,6 +11,7 @@ Redis does (``errorstat_ERR:count=3``). ``CONFIG RESETSTAT`` resets them.
 from __future__ import annotations
 
 from bisect import bisect_left
+from typing import Any
 
 #: upper bounds (seconds) of the latency histogram buckets; the last bucket is +Inf
 LATENCY_BUCKETS = (
@@ -70,6 +71,16 @@ class CommandStats:
 
     def reject(self, name: str) -> None:
         self._stat(name).rejected += 1
+
+    def reject_args(self, registry: Any, args: list[Any]) -> None:
+        """Count a known command (or subcommand) refused before it ran; unknown names only
+        reach errorstats, as in Redis."""
+        spec = registry.lookup(args[0]) if args else None
+        if spec is None:
+            return
+        if spec.subcommands and len(args) >= 2:
+            spec = spec.subcommands.get(bytes(args[1]).upper().decode("utf-8", "replace"), spec)
+        self.reject(spec.name)
 
     def error(self, prefix: str) -> None:
         self.errors[prefix] = self.errors.get(prefix, 0) + 1

@@ -208,7 +208,7 @@ class Connection(asyncio.BufferedProtocol):
                 spec = self._resolve(server.registry.lookup(args[0]), args)
             except RespError as exc:
                 self._abort_sinks(sinks)
-                self._reject(args)
+                server.cmdstats.reject_args(server.registry, args)
                 self._reply_error(exc)
                 return
         if server.monitors and not spec.flags & _NOT_MONITORED:
@@ -306,15 +306,6 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._pins.collect(value)
         encode_reply(value, self._resp3, self._out)
-
-    def _reject(self, args: list[Any]) -> None:
-        """Count a known command refused before it ran (rejected_calls in commandstats)."""
-        spec = self.server.registry.lookup(args[0])
-        if spec is None:
-            return
-        if spec.subcommands and len(args) >= 2:
-            spec = spec.subcommands.get(bytes(args[1]).upper().decode("utf-8", "replace"), spec)
-        self.server.cmdstats.reject(spec.name)
 
     def _reply_error(self, exc: RespError) -> None:
         self.server.stats.total_error_replies += 1
