@@ -75,3 +75,21 @@ def test_readme_table_lists_every_doc_page() -> None:
     listed = set(re.findall(r"`(docs/[\w.-]+\.md)`", readme))
     pages = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
     assert pages - listed == set(), f"add to README's table: {sorted(pages - listed)}"
+
+
+def test_compose_stack_wires_prometheus_and_grafana_to_the_metrics_port() -> None:
+    """docker-compose.yml (also checked by ``docker-compose config -q``): kvstrata serves
+    metrics on the port Prometheus scrapes, and every file the stack mounts exists."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML reads docker-compose.yml")
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    port = services["kvstrata"]["environment"]["KVSTRATA_METRICS_PORT"]
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    targets = [t for job in scrape["scrape_configs"] for c in job["static_configs"]
+               for t in c["targets"]]  # fmt: skip
+    assert targets == [f"kvstrata:{port}"]
+    for name in ("prometheus", "grafana"):
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), source
