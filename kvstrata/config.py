@@ -122,6 +122,7 @@ def _choice(*choices: str) -> Callable[[Any], str]:
             raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
         return value
 
+    parse.choices = choices  # type: ignore[attr-defined]  # shown by --help
     return parse
 
 
@@ -164,6 +165,11 @@ class Option:
     mutable: bool = False  # CONFIG SET allowed at run time
     secret: bool = False
     fmt: Callable[[Any], str] = str
+
+    @property
+    def env(self) -> str:
+        """The environment variable: ``KVSTRATA_DRAM_CAPACITY``."""
+        return "KVSTRATA_" + self.name.upper().replace("-", "_")
 
 
 def _opt(name: str, default: Any, parse: Callable[[Any], Any], doc: str, **kw: Any) -> Option:
@@ -216,6 +222,9 @@ OPTIONS: tuple[Option, ...] = (
     _opt("slowlog-log-slower-than", 10000, _int(-1, 10**12),
          "Microseconds above which a command is logged (-1 disables).", mutable=True),
     _opt("slowlog-max-len", 128, _int(0, 10**6), "Slow log entries kept.", mutable=True),
+    _opt("metrics-port", 0, _int(0, 65535),
+         "Port of the Prometheus /metrics endpoint, on the first bind address (0 = off; needs "
+         "the metrics extra)."),
     # process
     _opt("loglevel", "notice", _choice("debug", "verbose", "notice", "warning"),
          "Log level.", mutable=True),
@@ -272,6 +281,10 @@ OPTIONS: tuple[Option, ...] = (
          mutable=True, **_SIZE),
 )  # fmt: skip
 _BY_NAME = {o.name: o for o in OPTIONS}
+#: what ``serve --help`` shows for the values of each parser (``_choice`` lists its choices)
+METAVARS: dict[Callable[[Any], Any], str] = {
+    parse_size: "SIZE", _bool: "yes|no", _ratio: "RATIO", _bind: "ADDR",
+}  # fmt: skip
 
 
 def _attr(name: str) -> str:

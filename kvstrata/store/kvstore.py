@@ -9,7 +9,8 @@ and no lock is held across an await (key ownership is described in ``kvstore_sta
 Lifecycle: ``await KVStore.from_config(config, keyspace)`` (or ``KVStore(config, keyspace,
 tiers)``), then ``await store.start()`` (rebuilds the index from the local persistent tiers,
 see ``kvstore_rebuild``; starts the lease sweeper, the demoter and the prefetch workers) and
-finally ``await store.close()``.
+finally ``await store.close()`` (``close(save_budget=s)`` first writes the chunks only memory
+tiers hold to NVMe, see ``kvstore_persist``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace, now_ms
 from kvstrata.store.kvstore_build import build_tiers, status_of
 from kvstrata.store.kvstore_gpu import GpuPath
+from kvstrata.store.kvstore_persist import SaveReport, save_to_disk
 from kvstrata.store.kvstore_prefetch import PrefetchPath
 from kvstrata.store.kvstore_read import Payload, ReadPath
 from kvstrata.store.kvstore_rebuild import empty_report, rebuild_index
@@ -86,6 +88,9 @@ class KVStore:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Prepare the tiers (the dram pre-touch), rebuild the index, start background work."""
+        for tier in self.state.tiers:
+            await tier.prepare()
         await rebuild_index(self.state, self.rebuild)
         state = self.state
         self._background = [
@@ -99,7 +104,9 @@ class KVStore:
             asyncio.get_running_loop().create_task(self.hints.prefetch.run(), name="kv prefetch"),
         ]
 
-    async def close(self) -> None:
+    async def close(self, save_budget: float | None = None) -> SaveReport | None:
+        """Stop background work, end leases and close the tiers. With ``save_budget`` (seconds)
+        the chunks only memory tiers hold are first written to NVMe (a planned restart)."""
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -108,11 +115,19 @@ class KVStore:
         for lease in self.state.leases.take_all():
             self._end_lease(lease)
         await self.state.drain()
+        report = None
+        if save_budget is not None:
+            try:
+                report = await save_to_disk(self.state, self.placement, save_budget)
+            except Exception:
+                log.exception("saving the memory tiers on shutdown failed")
+            await self.state.drain()
         for tier in self.state.tiers:
             try:
                 await tier.close()
             except Exception:
                 log.exception("closing tier %s failed", tier.name)
+        return report
 
     def _end_lease(self, lease: Lease) -> None:
         if isinstance(lease, ReadLease):

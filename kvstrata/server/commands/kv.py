@@ -168,6 +168,15 @@ def _reply(payload: Any) -> Reply:
     return None if payload is None else BulkView(payload.view, payload.release)
 
 
+def _count(ctx: Ctx, payload: Any) -> Any:
+    """INFO keyspace_hits/keyspace_misses count chunk reads as Redis counts GETs."""
+    if payload is None:
+        ctx.server.keyspace.misses += 1
+    else:
+        ctx.server.keyspace.hits += 1
+    return payload
+
+
 @command(
     "KV.GET",
     3,
@@ -183,12 +192,12 @@ def kv_get(ctx: Ctx, args: Args) -> Reply:
     store = store_of(ctx)
     payload = store.get_now(ns, h)
     if payload is NOT_NOW:
-        return _get_slow(store, ns, h)  # a coroutine: the connection awaits it, in order
-    return _reply(payload)
+        return _get_slow(ctx, store, ns, h)  # a coroutine: the connection awaits it, in order
+    return _reply(_count(ctx, payload))
 
 
-async def _get_slow(store: Any, ns: str, h: bytes) -> Reply:
-    return _reply(await store.get(ns, h))
+async def _get_slow(ctx: Ctx, store: Any, ns: str, h: bytes) -> Reply:
+    return _reply(_count(ctx, await store.get(ns, h)))
 
 
 @command(
@@ -204,7 +213,7 @@ async def _get_slow(store: Any, ns: str, h: bytes) -> Reply:
 async def kv_mget(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     hashes = check_hashes(args[2:])
-    return [_reply(p) for p in await store_of(ctx).mget(ns, hashes)]
+    return [_reply(_count(ctx, p)) for p in await store_of(ctx).mget(ns, hashes)]
 
 
 # -- KV.MATCH / KV.MATCHTOKENS -------------------------------------------------------------------
