@@ -1,4 +1,5 @@
-# kvstrata server image: python:3.11-slim, no torch, with the S3 tier (boto3).
+# kvstrata server image: python:3.11-slim, no torch, with the S3 tier (boto3) and the
+# Prometheus endpoint (prometheus-client; KVSTRATA_METRICS_PORT turns it on).
 #
 #   docker build -t kvstrata .
 #   docker run --rm -p 127.0.0.1:7379:7379 --shm-size 2g -e KVSTRATA_REQUIREPASS=secret kvstrata
@@ -17,13 +18,13 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[s3]"
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[s3,metrics]"
 
 FROM python:3.11-slim
 RUN useradd --system --uid 10001 --home-dir /data --shell /usr/sbin/nologin kvstrata \
     && mkdir -p /data && chown kvstrata:kvstrata /data
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-index --find-links /wheels "kvstrata[s3]" \
+RUN pip install --no-cache-dir --no-index --find-links /wheels "kvstrata[s3,metrics]" \
     && rm -rf /wheels
 # PING over RESP (AUTH first when a password is set); exit 0 only on +PONG.
 RUN printf '%s\n' \

@@ -5,30 +5,62 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 from kvstrata import __version__
-from kvstrata.config import LOG_LEVELS, OPTIONS, Config, ConfigError, format_size, load_config
+from kvstrata.config import (
+    LOG_LEVELS,
+    METAVARS,
+    OPTIONS,
+    Config,
+    ConfigError,
+    Option,
+    format_size,
+    load_config,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstrata", description="A tiered cache server for LLM KV caches (speaks RESP)."
     )
+    parser.add_argument("--version", action="version", version=f"kvstrata {__version__}")
     sub = parser.add_subparsers(dest="command")
-    serve = sub.add_parser("serve", help="run the server (DRAM + NVMe under --data-dir)")
-    serve.add_argument("--config", metavar="FILE", help="TOML config file")
+    serve = sub.add_parser(
+        "serve", help="run the server (DRAM + NVMe under --data-dir)",
+        description="Run the server. Every option can also be set with its KVSTRATA_* "
+        "environment variable or a key of the --config file; flags win.",
+    )  # fmt: skip
+    serve.add_argument("--config", metavar="FILE", help="TOML config file (env KVSTRATA_CONFIG)")
     for opt in OPTIONS:
+        default = opt.fmt(opt.default) if opt.default != "" else "empty"
         serve.add_argument(
-            f"--{opt.name}", dest=opt.name.replace("-", "_"), metavar="VALUE", default=None,
-            help=f"{opt.doc} (default: {opt.fmt(opt.default) if opt.default != '' else 'empty'})",
+            f"--{opt.name}", dest=opt.name.replace("-", "_"), metavar=_metavar(opt), default=None,
+            help=f"{opt.doc} (default: {default}; env {opt.env})".replace("%", "%%"),
         )  # fmt: skip
     sub.add_parser("version", help="print the version")
     sub.add_parser(
         "demo", help="multi-turn transformers demo against an embedded server (demo --help)"
     )
     return parser
+
+
+def _metavar(opt: Option) -> str:
+    """What ``--help`` shows for the value: ``{a,b}``, ``SIZE``, ``yes|no``, ``N``…"""
+    choices = getattr(opt.parse, "choices", None)
+    if choices:
+        return "{" + ",".join(choices) + "}"
+    if opt.parse in METAVARS:
+        return METAVARS[opt.parse]
+    if isinstance(opt.default, float):
+        return "SECONDS" if "timeout" in opt.name else "NUMBER"
+    if isinstance(opt.default, int):
+        units = {"timeout": "SECONDS", "ttl": "MS", "slower-than": "MICROS"}
+        return next((u for k, u in units.items() if opt.name.endswith(k)), "N")
+    return "PATH" if any(w in opt.name for w in ("file", "path", "dir")) else "TEXT"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,20 +75,18 @@ def main(argv: list[str] | None = None) -> int:
         _parser().print_help()
         return 2
     flags = {o.name: getattr(args, o.name.replace("-", "_")) for o in OPTIONS}
+    config_file = args.config or os.environ.get("KVSTRATA_CONFIG") or None
     try:
-        config = load_config(flags=flags, config_file=args.config)
+        config = load_config(flags=flags, config_file=config_file)
     except ConfigError as exc:
         print(f"kvstrata: configuration error: {exc}", file=sys.stderr)
         return 2
-    return serve(config, args.config or "")
+    return serve(config, config_file or "")
 
 
 def _demo(argv: list[str]) -> int:
-    try:
-        from kvstrata.demo import main as demo_main
-    except ImportError as exc:
-        print(f"kvstrata demo needs the 'hf' extra: pip install 'kvstrata[hf]' ({exc})")
-        return 2
+    from kvstrata.demo import main as demo_main  # imports neither torch nor transformers
+
     return demo_main(argv)
 
 
@@ -78,12 +108,13 @@ def serve(config: Config, config_file: str = "") -> int:
     async def run() -> None:
         server = Server(config, config_file)
         runner = asyncio.ensure_future(server.run(install_signals=True))
-        ready = asyncio.ensure_future(server.wait_ready())
-        await asyncio.wait([runner, ready], return_when=asyncio.FIRST_COMPLETED)
-        if ready.done() and not runner.done():
-            log.info(_startup_line(server, loop_name))
-        else:
-            ready.cancel()
+        for step, line in ((server.wait_listening, _listening_line), (server.wait_ready, None)):
+            waiter = asyncio.ensure_future(step())
+            await asyncio.wait([runner, waiter], return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done() or runner.done():
+                waiter.cancel()
+                break
+            log.info(line(server) if line else _startup_line(server, loop_name))
         await runner
 
     try:
@@ -106,6 +137,16 @@ def _startup_errors() -> tuple[type[BaseException], ...]:
     return (TierError,)
 
 
+def _listening_line(server: object) -> str:
+    from kvstrata.server.app import Server
+
+    assert isinstance(server, Server)
+    return (
+        f"kvstrata {__version__} listening on {server.config.bind} port={server.port}; loading "
+        "(pre-touching the DRAM arena, rebuilding the index): commands get -LOADING until ready"
+    )
+
+
 def _startup_line(server: object, loop_name: str) -> str:
     from kvstrata.server.app import Server
 
@@ -125,6 +166,7 @@ def _startup_line(server: object, loop_name: str) -> str:
         f"data-dir={Path(cfg.data_dir).resolve()}",
         f"tiers: {tiers}",
         f"loop={loop_name}",
+        f"loaded in {time.time() - server.loading_start_time:.2f}s",
     ]
     return " ".join(parts)
 

@@ -122,6 +122,7 @@ def _choice(*choices: str) -> Callable[[Any], str]:
             raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
         return value
 
+    parse.choices = choices  # type: ignore[attr-defined]  # shown by --help
     return parse
 
 
@@ -165,6 +166,11 @@ class Option:
     secret: bool = False
     fmt: Callable[[Any], str] = str
 
+    @property
+    def env(self) -> str:
+        """The environment variable: ``KVSTRATA_DRAM_CAPACITY``."""
+        return "KVSTRATA_" + self.name.upper().replace("-", "_")
+
 
 def _opt(name: str, default: Any, parse: Callable[[Any], Any], doc: str, **kw: Any) -> Option:
     return Option(name, default, parse, doc, **kw)
@@ -197,11 +203,28 @@ OPTIONS: tuple[Option, ...] = (
          mutable=True),
     _opt("client-query-buffer-limit", 1024**3, parse_size,
          "Most bytes of unexecuted commands buffered per client.", mutable=True),
+    _opt("maxmemory", 0, parse_size,
+         "Most bytes plain string values (SET) may count: a small value (< 64 KiB) counts key "
+         "+ value + 64, a large one key + 64 (its bytes live in the tiers, which bound them); "
+         "0 = dram-capacity.", mutable=True, **_SIZE),
+    _opt("maxmemory-policy", "allkeys-lru",
+         _choice("allkeys-lru", "allkeys-random", "volatile-lru", "volatile-random",
+                 "volatile-ttl", "noeviction"),
+         "Which string keys a write over maxmemory evicts (Redis's policies); noeviction "
+         "answers -OOM.", mutable=True),
+    _opt("write-wait-queue", 4096, _int(1, 10**6),
+         "Most writes (KV.PUT, KV.RESERVE, promotions for KV.LEASE) waiting in turn for DRAM "
+         "room; more get -OOM.", mutable=True),
+    _opt("write-wait-timeout", 30000, _int(1, 3_600_000),
+         "Most ms a write waits in turn for DRAM room before -OOM.", mutable=True),
     _opt("shutdown-timeout", 10, _int(0, 3600),
          "Seconds in-flight commands get to finish on shutdown.", mutable=True),
     _opt("slowlog-log-slower-than", 10000, _int(-1, 10**12),
          "Microseconds above which a command is logged (-1 disables).", mutable=True),
     _opt("slowlog-max-len", 128, _int(0, 10**6), "Slow log entries kept.", mutable=True),
+    _opt("metrics-port", 0, _int(0, 65535),
+         "Port of the Prometheus /metrics endpoint, on the first bind address (0 = off; needs "
+         "the metrics extra)."),
     # process
     _opt("loglevel", "notice", _choice("debug", "verbose", "notice", "warning"),
          "Log level.", mutable=True),
@@ -268,6 +291,10 @@ OPTIONS: tuple[Option, ...] = (
          mutable=True, **_SIZE),
 )  # fmt: skip
 _BY_NAME = {o.name: o for o in OPTIONS}
+#: what ``serve --help`` shows for the values of each parser (``_choice`` lists its choices)
+METAVARS: dict[Callable[[Any], Any], str] = {
+    parse_size: "SIZE", _bool: "yes|no", _ratio: "RATIO", _bind: "ADDR",
+}  # fmt: skip
 
 
 def _attr(name: str) -> str:
@@ -341,6 +368,12 @@ def _check(values: Mapping[str, Any]) -> None:
             )
     if values["tls-port"] and not (values["tls-cert-file"] and values["tls-key-file"]):
         raise ConfigError("invalid value for 'tls-port': needs tls-cert-file and tls-key-file")
+    if values["tls-port"] and values["tls-auth-clients"] != "no" and not values["tls-ca-cert-file"]:
+        # Redis refuses this too: no client certificate could ever be verified
+        raise ConfigError(
+            f"invalid value for 'tls-auth-clients': {values['tls-auth-clients']} needs "
+            "tls-ca-cert-file (the CA that signs client certificates)"
+        )
 
 
 def load_config(

@@ -1,15 +1,19 @@
 """``kvstrata demo``: a multi-turn conversation that reuses its own KV cache through kvstrata.
 
-Starts an embedded server (``python -m kvstrata serve --port 0`` in a subprocess, data in a
-temporary folder unless ``--data-dir``), builds a Llama-shaped model with random weights (no
-download; token ids stand in for text), and runs turns of "history + new user message → greedy
-reply". Each turn prints the tokens reused from the server, the tier they came from and the
-time to first token next to a full recompute of the same prompt.
+Starts an embedded server (``python -P -m kvstrata serve --port 0`` in a subprocess, importing
+the very package this demo runs from — never a ``kvstrata/`` folder in the current directory —
+with data in a temporary folder unless ``--data-dir``), builds a Llama-shaped model with random
+weights (no download; token ids stand in for text), and runs turns of "history + new user
+message → greedy reply". Each turn prints the tokens reused from the server, the tier they came
+from and the time to first token next to a full recompute of the same prompt; a legend under
+the table says what each column means. Needs the ``hf`` extra (torch, transformers, tqdm):
+``kvstrata demo`` says so in one line when it is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -23,7 +27,18 @@ from typing import Any
 
 __all__ = ["EmbeddedServer", "TurnReport", "build_model", "main"]
 
-_READY = re.compile(r"port=(\d+)")
+_READY = re.compile(r"ready on .* port=(\d+)")
+#: the folder holding the running ``kvstrata`` package, put first on the child's path
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+LEGEND = """\
+  turn          conversation turn (each adds a user message to the whole history)
+  prompt        tokens of the prompt sent to the model this turn
+  reused        leading tokens whose KV came back from kvstrata (whole chunks only)
+  tier          where those chunks were found (tier:chunks)
+  TTFT ms       time to first token with kvstrata: load the reused KV + prefill the rest
+  recompute ms  time to first token recomputing the whole prompt (the baseline)
+  speedup       recompute ms / TTFT ms"""
 
 
 class EmbeddedServer:
@@ -36,10 +51,16 @@ class EmbeddedServer:
         self._proc: subprocess.Popen[str] | None = None
 
     def start(self, timeout: float = 60.0) -> EmbeddedServer:
-        argv = [sys.executable, "-m", "kvstrata", "serve"]
+        # -P: the current folder is not put on sys.path (a clone's parent has a kvstrata/
+        # folder that would shadow the package); PYTHONPATH names the package we run from.
+        argv = [sys.executable, "-P", "-m", "kvstrata", "serve"]
         for key, value in self.flags.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONPATH": path},
+        )  # fmt: skip
         self._proc = proc
         assert proc.stdout is not None
         deadline, seen = time.monotonic() + timeout, []
@@ -145,7 +166,13 @@ def _run_turns(args: argparse.Namespace, client: Any) -> list[TurnReport]:
     from kvstrata.clients.hf import HFPrefixCache
 
     heads = max(1, args.hidden // 64)
+    print(f"building a Llama-shaped model: {args.layers} layers, hidden {args.hidden}, "
+          f"{heads} heads, random weights (no download) ...", flush=True)  # fmt: skip
+    started = time.perf_counter()
     model = build_model(args.layers, args.hidden, heads, max(1, heads // 4))
+    print(f"model ready in {time.perf_counter() - started:.1f} s; running {args.turns} turns "
+          f"of {args.user_tokens} new tokens after a {args.system_tokens}-token system prompt",
+          flush=True)  # fmt: skip
     pc = HFPrefixCache(model, client, chunk_tokens=args.chunk_tokens, codec=args.codec)
     gen = torch.Generator().manual_seed(1)
     history = torch.randint(0, 32000, (1, args.system_tokens), generator=gen)
@@ -184,11 +211,30 @@ def _print(reports: list[TurnReport], args: argparse.Namespace) -> None:
         rec = f"{r.recompute_s * 1e3:13.1f}" if r.recompute_s else f"{'-':>13}"
         print(f"{r.turn:>4} {r.prompt_tokens:>7} {r.reused_tokens:>7} {r.tiers:>14} "
               f"{r.ttft_s * 1e3:9.1f} {rec} {speed}")  # fmt: skip
+    print(LEGEND)
+
+
+def missing_extra() -> str | None:
+    """The one-line message when the ``hf`` extra is not installed, else None."""
+    for module in ("torch", "transformers", "tqdm"):
+        try:
+            __import__(module)
+        except ImportError:
+            return (
+                f"kvstrata demo needs the 'hf' extra ({module} is not installed): "
+                "python3 -m pip install 'kvstrata[hf]' (from a clone: python3 -m pip install "
+                "'.[hf]')"
+            )
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvstrata demo``; returns the exit status."""
     args = _parse(argv)
+    message = missing_extra()
+    if message is not None:
+        print(message, file=sys.stderr)
+        return 2
     from kvstrata.clients.sync import Client
 
     if args.connect:
@@ -198,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="kvstrata-demo-") as tmp:
         data_dir = args.data_dir or Path(tmp)
+        print(f"starting an embedded kvstrata server (DRAM {args.dram_capacity}) ...",
+              flush=True)  # fmt: skip
         with (
             EmbeddedServer(data_dir, dram_capacity=args.dram_capacity) as server,
             Client(port=server.port) as client,

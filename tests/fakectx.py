@@ -13,10 +13,12 @@ from typing import Any
 
 from kvstrata.config import Config, load_config
 from kvstrata.protocol.errors import CommandError, NoAuthError, RespError, wrong_arity
+from kvstrata.server.cmdstats import CommandStats
 from kvstrata.server.context import ClientState, ServerStats
 from kvstrata.server.registry import CommandSpec, CommandTable, load_all
 from kvstrata.server.slowlog import SlowLog
 from kvstrata.store.keyspace import Keyspace
+from kvstrata.store.strings import StringStore
 
 _ids = itertools.count(1)
 
@@ -35,19 +37,25 @@ class FakeServer:
         )
         self.config_file = ""
         self.keyspace = Keyspace()
+        self.strings = StringStore(self.keyspace, self.config)
         self.store: Any = None
         self.registry: CommandTable = load_all()
         self.clients: dict[int, FakeCtx] = {}
         self.stats = ServerStats()
+        self.cmdstats = CommandStats()
         self.slowlog = SlowLog(self.config)
         self.monitors: set[FakeCtx] = set()
         self.start_time = time.time() - 90000
         self.run_id = "ab" * 20
         self.port = 7379
         self.shutdown_requested = False
+        self.shutdown_save = True
+        self.loading = False
+        self.loading_start_time = 0.0
 
-    def request_shutdown(self) -> None:
+    def request_shutdown(self, save: bool = True) -> None:
         self.shutdown_requested = True
+        self.shutdown_save = save
 
     def used_memory(self) -> int:
         return 3 * 1024 * 1024

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvstrata.config import ConfigError, format_size, load_config, option_names, parse_size
+import kvstrata
+from kvstrata.config import OPTIONS, ConfigError, format_size, load_config, option_names, parse_size
 from tests.conftest import RunningServer
 
 
@@ -104,6 +106,36 @@ def test_cli_version_and_help() -> None:
         timeout=60,
     )  # fmt: skip
     assert "--dram-capacity" in serve_help.stdout and "--requirepass" in serve_help.stdout
+
+
+def test_cli_version_flag_and_help_metavars_choices_and_env_names() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvstrata", "--version"], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert (out.returncode, out.stdout.strip()) == (0, f"kvstrata {kvstrata.__version__}")
+    text = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "serve", "--help"], capture_output=True, text=True,
+        timeout=60,
+    ).stdout  # fmt: skip
+    assert "VALUE" not in text
+    flat = " ".join(text.split())
+    for fragment in (
+        "--dram-capacity SIZE", "--nvme-fsync {always,batch,never}", "--port N",
+        "--protected-mode yes|no", "--dram-high-watermark RATIO", "--data-dir PATH",
+        "--shutdown-timeout SECONDS", "env KVSTRATA_DRAM_CAPACITY)", "env KVSTRATA_NVME_FSYNC)",
+    ):  # fmt: skip
+        assert fragment in flat, fragment
+    for opt in OPTIONS:  # every option names its environment variable
+        assert f"env {opt.env}" in flat, opt.name
+
+
+def test_kvstrata_config_variable_names_the_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text('dram-capacity = "lots"\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "serve", "--port", "0"], capture_output=True,
+        text=True, timeout=60, env={**os.environ, "KVSTRATA_CONFIG": str(config)},
+    )  # fmt: skip
+    assert proc.returncode == 2 and "invalid value for 'dram-capacity'" in proc.stderr
 
 
 def test_unwritable_data_dir_stops_startup(tmp_path: Path) -> None:

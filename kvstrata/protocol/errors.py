@@ -71,6 +71,15 @@ class NoProtoError(RespError):
     prefix = "NOPROTO"
 
 
+class LoadingError(RespError):
+    """``LOADING``: the server is still preparing its tiers (clients retry, as with Redis)."""
+
+    prefix = "LOADING"
+
+    def __init__(self, message: str = "kvstrata is loading the dataset in memory") -> None:
+        super().__init__(message)
+
+
 class LeaseError(RespError):
     """``NOLEASE``: the lease id is unknown, expired or of the wrong kind."""
 
@@ -106,6 +115,7 @@ _BY_PREFIX: dict[str, type[RespError]] = {
         NoProtoError,
         LeaseError,
         LeaseLimitError,
+        LoadingError,
     )
 }
 

@@ -1,8 +1,13 @@
 """The server: listeners, the client table, periodic work and graceful shutdown.
 
 ``Server.run()`` starts everything and returns after shutdown (SIGTERM/SIGINT, ``SHUTDOWN``,
-or :meth:`Server.request_shutdown`). Shutdown closes the listeners, lets in-flight commands
-finish within ``shutdown-timeout`` seconds, closes the connections, then the store.
+or :meth:`Server.request_shutdown`). Start-up binds the listeners first (:meth:`Server.listen`)
+and then builds the store (:meth:`Server.load`: dram pre-touch, index rebuild); meanwhile
+``loading`` is true and commands without Redis's ``loading`` flag (everything but PING, INFO,
+AUTH, HELLO, CLIENT, CONFIG, COMMAND…) get ``-LOADING``. Shutdown closes the listeners, lets
+in-flight commands finish within ``shutdown-timeout`` seconds, closes the connections, then the
+store — after writing the chunks only memory tiers hold to NVMe within another
+``shutdown-timeout`` seconds, unless it was ``SHUTDOWN NOSAVE``.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstrata.config import Config
+from kvstrata.config import Config, ConfigError
+from kvstrata.server.cmdstats import CommandStats
 from kvstrata.server.connection import Connection
 from kvstrata.server.context import ClientState, ServerStats
 from kvstrata.server.registry import load_all
 from kvstrata.store.keyspace import Keyspace
+from kvstrata.store.strings import StringStore
 
 log = logging.getLogger("kvstrata.server")
 
@@ -34,10 +41,12 @@ class Server:
         self.config = config
         self.config_file = config_file
         self.keyspace = Keyspace()
+        self.strings = StringStore(self.keyspace, config)
         self.store: Any = None
         self.registry = load_all()
         self.clients: dict[int, Connection] = {}
         self.stats = ServerStats()
+        self.cmdstats = CommandStats()
         self.monitors: set[Connection] = set()
         self.start_time = time.time()
         self.run_id = secrets.token_hex(20)
@@ -49,14 +58,27 @@ class Server:
         self._next_id = 0
         self._servers: list[asyncio.AbstractServer] = []
         self._shutdown = asyncio.Event()
+        self._save_on_shutdown = True
+        self._listening = asyncio.Event()
+        self.metrics: Any = None  # the /metrics endpoint when metrics-port is set
         self._ready = asyncio.Event()
+        #: true from the moment the port is bound until the store is ready (INFO loading:1)
+        self.loading = False
+        self.loading_start_time = 0.0
         self._cron: asyncio.Task[None] | None = None
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        """Build the store, open the listeners and start periodic work."""
+        """Open the listeners, start periodic work, then build the store."""
+        await self.listen()
+        await self.load()
+
+    async def listen(self) -> None:
+        """Bind the listeners (``loading`` until :meth:`load` is done) and start periodic work."""
         _ensure_data_dir(self.config.data_dir)
-        self.store = await _build_store(self.config, self.keyspace)
+        tls_context = self._ssl_context() if self.config.tls_port else None
+        self.loading = True
+        self.loading_start_time = time.time()
         loop = asyncio.get_running_loop()
         hosts = [h.lstrip("-") for h in self.config.binds]
         hosts = [None if h == "*" else h for h in hosts]  # type: ignore[misc]
@@ -70,20 +92,54 @@ class Server:
         if self.config.tls_port:
             tls = await loop.create_server(
                 lambda: Connection(self), host=hosts, port=self.config.tls_port,
-                ssl=self._ssl_context(), reuse_address=True,
+                ssl=tls_context, reuse_address=True,
             )  # fmt: skip
             self._servers.append(tls)
             self.tls_port = tls.sockets[0].getsockname()[1]
             self.config.values["tls-port"] = self.tls_port
+        await self._start_metrics(hosts[0] or "0.0.0.0")
         self._cron = asyncio.ensure_future(self._cron_loop())
+        self._listening.set()
+
+    async def _start_metrics(self, host: str) -> None:
+        if not self.config.metrics_port:
+            return
+        from kvstrata.server.metrics import INSTALL_HINT, MetricsEndpoint, metrics_available
+
+        if not metrics_available():
+            raise ConfigError(INSTALL_HINT)
+        self.metrics = MetricsEndpoint(self)
+        await self.metrics.start(host, self.config.metrics_port)
+        self.cmdstats.histograms = True
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, self.metrics.port)
+
+    async def load(self) -> None:
+        """Build the store (pre-touch, index rebuild); then commands are no longer refused."""
+        self.store = await _build_store(self.config, self.keyspace)
+        self.strings.kv = self.store  # large plain values live in its tiers
+        self.loading = False
         self._ready.set()
 
     def _ssl_context(self) -> ssl.SSLContext:
+        """The TLS listener's context; ConfigError naming the key whose file is unusable
+        (start-up stops with that message instead of refusing every client later)."""
         cfg = self.config
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+        try:
+            ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"invalid value for 'tls-cert-file'/'tls-key-file': cannot load "
+                f"{cfg.tls_cert_file} with {cfg.tls_key_file}: {_reason(exc)}"
+            ) from None
         if cfg.tls_ca_cert_file:
-            ctx.load_verify_locations(cfg.tls_ca_cert_file)
+            try:
+                ctx.load_verify_locations(cfg.tls_ca_cert_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(
+                    f"invalid value for 'tls-ca-cert-file': cannot load "
+                    f"{cfg.tls_ca_cert_file}: {_reason(exc)}"
+                ) from None
         ctx.verify_mode = {
             "yes": ssl.CERT_REQUIRED,
             "optional": ssl.CERT_OPTIONAL,
@@ -92,16 +148,33 @@ class Server:
         return ctx
 
     async def run(self, install_signals: bool = False) -> None:
-        """Start, serve until shutdown is requested, then shut down."""
-        await self.start()
+        """Listen, load, serve until shutdown is requested, then shut down. A shutdown asked
+        for while loading stops the loading; a failed loading closes the listeners and
+        raises."""
+        await self.listen()
         if install_signals:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_shutdown)
-        await self._shutdown.wait()
+        loader = asyncio.ensure_future(self.load())
+        stop = asyncio.ensure_future(self._shutdown.wait())
+        await asyncio.wait([loader, stop], return_when=asyncio.FIRST_COMPLETED)
+        if not loader.done():
+            loader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loader
+            log.info("shutdown requested while loading")
+        elif loader.exception() is not None:
+            stop.cancel()
+            await self.shutdown()
+            loader.result()  # raises the loading error
+        await stop
         await self.shutdown()
 
-    def request_shutdown(self) -> None:
+    def request_shutdown(self, save: bool = True) -> None:
+        """Stop the server; ``save=False`` (SHUTDOWN NOSAVE) skips writing memory to NVMe."""
+        if not self._shutdown.is_set():
+            self._save_on_shutdown = save
         self._shutdown.set()
 
     async def shutdown(self) -> None:
@@ -120,12 +193,32 @@ class Server:
         for srv in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(srv.wait_closed(), 1.0)
+        if self.metrics is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.metrics.close(), 1.0)
         if self.store is not None:
-            await self.store.close()
+            await self.store.close(save_budget=self._save_budget())
         log.info("kvstrata stopped")
 
+    def _save_budget(self) -> float | None:
+        """Seconds the store may spend writing memory-only chunks to NVMe; None: no save."""
+        if not self._save_on_shutdown:
+            log.info("shutdown: NOSAVE, chunks held only in memory are not written to NVMe")
+            return None
+        return float(self.config.shutdown_timeout)
+
+    @property
+    def stopping(self) -> bool:
+        """A shutdown was requested."""
+        return self._shutdown.is_set()
+
     async def wait_ready(self) -> None:
+        """Until the store is built and commands are served (after :meth:`wait_listening`)."""
         await self._ready.wait()
+
+    async def wait_listening(self) -> None:
+        """Until the port is bound (PING answers; most commands get -LOADING until ready)."""
+        await self._listening.wait()
 
     # -- helpers for connections and commands ---------------------------------------------
     def next_client_id(self) -> int:
@@ -181,6 +274,12 @@ class Server:
                 conn.kill()
 
 
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return str(exc.reason or exc)
+    return str(getattr(exc, "strerror", None) or exc)
+
+
 def _ensure_data_dir(path: str) -> None:
     """Create the data folder (the embedded default lives there); a clear error otherwise."""
     folder = Path(path)
@@ -212,12 +311,29 @@ def _make_slowlog(config: Config) -> Any:
     return SlowLog(config)
 
 
+def _import_store(config: Config) -> None:
+    """Import the store and the modules of the configured tiers (numpy, boto3…): run on a
+    worker thread so that the event loop keeps answering PING meanwhile."""
+    import importlib
+
+    from kvstrata.store.kvstore_build import tier_modules
+
+    importlib.import_module("kvstrata.store.kvstore")
+    for module in tier_modules(config):
+        importlib.import_module(module)
+
+
 async def _build_store(config: Config, keyspace: Keyspace) -> Any:
     try:
+        await asyncio.get_running_loop().run_in_executor(None, _import_store, config)
         from kvstrata.store.kvstore import KVStore
     except ImportError:
         log.warning("KV store not available: KV.* commands are disabled")
         return None
     store = await KVStore.from_config(config, keyspace)
-    await store.start()
+    try:
+        await store.start()
+    except BaseException:  # cancelled (shutdown while loading) or failed: close the tiers
+        await store.close()
+        raise
     return store

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvstrata.protocol.encoder import encode_reply, join_small
 from kvstrata.protocol.errors import (
     CommandError,
+    LoadingError,
     NoAuthError,
     ProtocolError,
     RespError,
@@ -79,8 +80,9 @@ class Connection(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername") or ("", 0)
         sock = transport.get_extra_info("sockname") or ("", 0)
         self.client = ClientState(
-            id=server.next_client_id(), addr=fmt_addr(peer), laddr=fmt_addr(sock)
-        )
+            id=server.next_client_id(), addr=fmt_addr(peer), laddr=fmt_addr(sock),
+            fd=_fileno(transport),
+        )  # fmt: skip
         server.stats.total_connections_received += 1
         cfg = server.config
         refused = refusal(cfg, len(server.clients), peer)
@@ -200,11 +202,13 @@ class Connection(asyncio.BufferedProtocol):
             or (spec.arity > 0 and len(args) != spec.arity)
             or len(args) < -spec.arity
             or not self.client.authenticated
+            or server.loading
         ):
             try:
                 spec = self._resolve(server.registry.lookup(args[0]), args)
             except RespError as exc:
                 self._abort_sinks(sinks)
+                server.cmdstats.reject_args(server.registry, args)
                 self._reply_error(exc)
                 return
         if server.monitors and not spec.flags & _NOT_MONITORED:
@@ -227,12 +231,14 @@ class Connection(asyncio.BufferedProtocol):
         if sinks:
             self.sinks = _NO_SINKS
             self._abort_sinks(sinks)
+        elapsed = perf_counter() - started
+        server.cmdstats.record(spec.name, elapsed, isinstance(result, RespError))
         t = type(result)
         if t is bytes or t is Simple or t is int or result is None:
             encode_reply(result, self._resp3, self._out)
         else:
             self._reply(result)
-        if perf_counter() - started > self._slow:
+        if elapsed > self._slow:
             server.slowlog_record(started, args, self.client)
 
     def _internal_error(self, spec: CommandSpec, exc: Exception) -> CommandError:
@@ -255,6 +261,8 @@ class Connection(asyncio.BufferedProtocol):
             raise CommandError(f"wrong number of arguments for '{spec.name.lower()}' command")
         if not self._authenticated() and "no_auth" not in spec.flags:
             raise NoAuthError("Authentication required.")
+        if self.server.loading and "loading" not in spec.flags:
+            raise LoadingError()  # as Redis: only commands flagged `loading` run meanwhile
         return spec
 
     async def _finish_async(
@@ -273,6 +281,9 @@ class Connection(asyncio.BufferedProtocol):
                 self._abort_sinks(sinks)
         self._busy = False
         self._task = None
+        self.server.cmdstats.record(
+            spec.name, perf_counter() - started, isinstance(result, RespError)
+        )
         if self._closing:
             release_now(result)
             return
@@ -298,6 +309,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _reply_error(self, exc: RespError) -> None:
         self.server.stats.total_error_replies += 1
+        self.server.cmdstats.error(exc.prefix)
         self._out.append(b"-%b\r\n" % exc.reply_line())
 
     def _flush(self) -> None:
@@ -396,6 +408,14 @@ class Connection(asyncio.BufferedProtocol):
     @property
     def busy(self) -> bool:
         return self._busy
+
+
+def _fileno(transport: asyncio.BaseTransport) -> int:
+    sock = transport.get_extra_info("socket")
+    try:
+        return int(sock.fileno()) if sock is not None else -1
+    except (OSError, ValueError):
+        return -1
 
 
 def _trunc(arg: Any, limit: int = 128) -> str:

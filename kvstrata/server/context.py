@@ -35,13 +35,14 @@ class ClientState:
     query_buffer: int = 0
     output_buffer: int = 0
     commands: int = 0
+    fd: int = -1  # the socket's file descriptor (CLIENT LIST fd=)
 
     def describe(self, now: float | None = None) -> str:
         """One CLIENT LIST line (Redis's field order, the fields kvstrata tracks)."""
         now = time.monotonic() if now is None else now
         flags = "".join(sorted(self.flags)) or "N"
         return (
-            f"id={self.id} addr={self.addr} laddr={self.laddr} fd=-1 "
+            f"id={self.id} addr={self.addr} laddr={self.laddr} fd={self.fd} "
             f"name={self.name.decode('utf-8', 'replace')} "
             f"age={int(now - self.created)} idle={int(now - self.last_interaction)} "
             f"flags={flags} db={self.db} sub=0 psub=0 ssub=0 multi=-1 "

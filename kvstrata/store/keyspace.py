@@ -92,6 +92,10 @@ class Keyspace:
             return None
         return entry
 
+    def peek(self, key: bytes) -> Entry | None:
+        """The entry as stored, expired or not; no side effect (eviction policies)."""
+        return self._data.get(key)
+
     def get_string(self, key: bytes) -> StringEntry | Entry | None:
         entry = self.lookup(key)
         if entry is None:

@@ -9,7 +9,8 @@ and no lock is held across an await (key ownership is described in ``kvstore_sta
 Lifecycle: ``await KVStore.from_config(config, keyspace)`` (or ``KVStore(config, keyspace,
 tiers)``), then ``await store.start()`` (rebuilds the index from the local persistent tiers,
 see ``kvstore_rebuild``; starts the lease sweeper, the demoter and the prefetch workers) and
-finally ``await store.close()``.
+finally ``await store.close()`` (``close(save_budget=s)`` first writes the chunks only memory
+tiers hold to NVMe, see ``kvstore_persist``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace, now_ms
 from kvstrata.store.kvstore_build import build_tiers, status_of
 from kvstrata.store.kvstore_gpu import GpuPath
+from kvstrata.store.kvstore_persist import SaveReport, save_to_disk
 from kvstrata.store.kvstore_prefetch import PrefetchPath
 from kvstrata.store.kvstore_read import Payload, ReadPath
 from kvstrata.store.kvstore_rebuild import empty_report, rebuild_index
@@ -87,6 +89,9 @@ class KVStore:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Prepare the tiers (the dram pre-touch), rebuild the index, start background work."""
+        for tier in self.state.tiers:
+            await tier.prepare()
         await rebuild_index(self.state, self.rebuild)
         state = self.state
         self._background = [
@@ -115,20 +120,31 @@ class KVStore:
             if isinstance(tier, DramTier):
                 tier.reclaim_stale()
 
-    async def close(self) -> None:
+    async def close(self, save_budget: float | None = None) -> SaveReport | None:
+        """Stop background work, end leases and close the tiers. With ``save_budget`` (seconds)
+        the chunks only memory tiers hold are first written to NVMe (a planned restart)."""
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         self._background = []
+        await self.placement.room.close()
         for lease in self.state.leases.take_all():
             self._end_lease(lease)
         self.state.fences.end_all()
         await self.state.drain()
+        report = None
+        if save_budget is not None:
+            try:
+                report = await save_to_disk(self.state, self.placement, save_budget)
+            except Exception:
+                log.exception("saving the memory tiers on shutdown failed")
+            await self.state.drain()
         for tier in self.state.tiers:
             try:
                 await tier.close()
             except Exception:
                 log.exception("closing tier %s failed", tier.name)
+        return report
 
     def _expire_lease(self, lease: Lease) -> None:
         """The sweeper's callback. A holder whose connection is still open may still touch the
@@ -267,7 +283,11 @@ class KVStore:
     def check_link(self, ns: str, hash: bytes, parent: bytes) -> None:
         """Refuse a parent link that would close a loop (a chunk in a loop is never a leaf,
         so it could never be evicted)."""
-        if self.index.makes_cycle(ChunkKey(ns, hash), parent):
+        key = ChunkKey(ns, hash)
+        rec = self.index.get(key)
+        if rec is not None and rec.parent == parent:
+            return  # the same link again (a re-PUT): no climb up the chain
+        if self.index.makes_cycle(key, parent):
             raise CommandError("invalid parent: the chain would loop back to this chunk")
 
     def match(self, ns: str, hashes: Sequence[bytes]) -> int:
@@ -411,6 +431,9 @@ class KVStore:
             ("kv_fenced_total", self.state.fences.fenced_total),
             ("kv_integrity_errors", self.state.integrity_errors),
             ("kv_store_errors", self.state.errors),
+            ("kv_write_waiting", len(self.placement.room)),
+            ("kv_write_waited", self.placement.room.waited),
+            ("kv_write_wait_timeouts", self.placement.room.timeouts),
         ]
         persistence: list[tuple[str, object]] = [
             (f"rebuild_{k}", round(v, 3) if isinstance(v, float) else v)

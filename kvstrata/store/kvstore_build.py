@@ -40,6 +40,11 @@ def wanted_tiers(config: Config) -> list[str]:
     return names
 
 
+def tier_modules(config: Config) -> list[str]:
+    """The modules of the tiers ``config`` asks for (the server imports them off the loop)."""
+    return [_CONFIG_CLASSES[name][0] for name in wanted_tiers(config)]
+
+
 async def build_tiers(config: Config) -> tuple[list[Tier], str]:
     """The configured tiers, fast → slow, and the ``gpu_status`` line (computed once here:
     with ``gpu-capacity 0`` it only looks for NVIDIA device nodes, importing nothing)."""

@@ -224,7 +224,7 @@ class ReadPath:
             if self.placement.free_for(dram) < rec.size:
                 if not make_room:
                     return False
-                if not await self.placement.make_room(state.tier_index(dram.name), rec.size):
+                if not await self.placement.room.room_for(rec.size):  # in turn with writers
                     return False
                 continue
             if not state.begin_move(rec):

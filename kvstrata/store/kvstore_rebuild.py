@@ -13,7 +13,7 @@ import logging
 import time
 
 from kvstrata.store.index import record_from_meta
-from kvstrata.store.kvstore_state import StoreState, is_shared
+from kvstrata.store.kvstore_state import StoreState, is_internal, is_shared
 from kvstrata.tiers.base import Tier
 
 log = logging.getLogger("kvstrata.store")
@@ -42,7 +42,14 @@ async def rebuild_index(state: StoreState, report: dict[str, float]) -> None:
 
 async def _rebuild_from(state: StoreState, tier: Tier, report: dict[str, float]) -> None:
     found = 0
+    last_log = time.monotonic()
     async for meta in tier.scan():
+        if time.monotonic() - last_log >= 1.0:
+            last_log = time.monotonic()
+            log.info("rebuilding the index from %s: %d chunks so far", tier.name, found)
+        if is_internal(meta.key):  # a plain value of a previous run: its key is gone
+            state.spawn(tier.delete(meta.key), f"delete leftover {meta.key.hex[:16]}")
+            continue
         rec = state.index.get(meta.key)
         if rec is None:
             rec = record_from_meta(meta)

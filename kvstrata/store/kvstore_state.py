@@ -51,6 +51,17 @@ NOT_NOW = NotNow()
 
 log = logging.getLogger("kvstrata.store")
 
+#: Namespaces starting with this are the server's own (never valid for a client): their chunks
+#: stay out of the keyspace and the shared tier, and are not kept across restarts.
+INTERNAL_NS = "\0"
+#: large plain string values (``store.strings``)
+STRING_NS = "\0string"
+
+
+def is_internal(key: ChunkKey) -> bool:
+    return key.namespace.startswith(INTERNAL_NS)
+
+
 #: Tier names in fast → slow order; unknown names sort after them in the given order.
 TIER_ORDER = ("gpu", "dram", "nvme", "s3")
 
@@ -272,7 +283,8 @@ class StoreState:
     def publish(self, rec: ChunkRecord) -> None:
         """Make a committed record visible (index and keyspace)."""
         self.index.add(rec)
-        self.keyspace.insert(rec.redis_key(), rec)
+        if not is_internal(rec.key):
+            self.keyspace.insert(rec.redis_key(), rec)
 
     def retire(self, rec: ChunkRecord) -> asyncio.Event | None:
         """Take a live record out of the index and keyspace; free its copies once unpinned.

@@ -22,7 +22,7 @@ from kvstrata.store.index import record_from_meta
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.keyspace import now_ms
 from kvstrata.store.kvstore_gpu import GpuPath, GpuSink
-from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_shared
+from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_internal, is_shared
 from kvstrata.store.leases import NO_HOLDER, Holder, WriteLease, deadline_after
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import Buffer, Handle, TierError, TierFull
@@ -113,6 +113,9 @@ class WritePath:
         when there is no room now. The key is not claimed here (see StoreSink)."""
         dram = self.state.dram
         if dram is None or nbytes <= 0 or nbytes > dram.capacity:
+            return None
+        if len(self.placement.room):  # writers wait for room: this one queues behind them
+            self.placement.kick_now()
             return None
         slot_key = ChunkKey(_SINK_NS, next(_sink_ids).to_bytes(8, "big"))
         try:
@@ -246,7 +249,7 @@ class WritePath:
         dram = state.dram
         for j in self.placement.write_through_tiers():
             tier = state.tiers[j]
-            if tier is dram:
+            if tier is dram or (is_shared(tier) and is_internal(meta.key)):
                 continue
             try:
                 await self.placement.put_with_room(j, meta, data)
@@ -277,6 +280,8 @@ class WritePath:
         """DRAM cannot take the chunk: store it directly in the first lower tier that can."""
         for j, tier in enumerate(self.state.tiers):
             if tier is self.state.dram or tier.name == "gpu":
+                continue
+            if is_shared(tier) and is_internal(meta.key):
                 continue
             try:
                 await self.placement.put_with_room(j, meta, data)

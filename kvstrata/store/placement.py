@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey, ChunkMeta
-from kvstrata.store.kvstore_state import StoreState, is_shared
+from kvstrata.store.kvstore_state import StoreState, is_internal, is_shared
 from kvstrata.store.lru import LruHeap
+from kvstrata.store.room import RoomQueue
 from kvstrata.tiers.base import (
     Buffer,
     ChunkMissing,
@@ -89,10 +90,16 @@ class Placement:
         # a million records of chunks only there: s3-max-remote-records)
         self.heaps = {t.name: LruHeap(t.name) for t in state.tiers if not is_shared(t)}
         self._kick = asyncio.Event()
+        #: writers waiting for DRAM room, first come first served
+        self.room = RoomQueue(self, self._room_limits)
         state.index.on_change = self.changed
         #: told when a shared tier holds a newer version of a chunk than the record (the
         #: store's RemotePath adopts it)
         self.on_replaced: Callable[[ChunkRecord, ChunkMeta], None] = lambda rec, meta: None
+
+    def _room_limits(self) -> tuple[int, float]:
+        values = self.state.config.values
+        return int(values["write-wait-queue"]), int(values["write-wait-timeout"]) / 1000
 
     # -- policy -------------------------------------------------------------------------------
 
@@ -177,6 +184,11 @@ class Placement:
                 return False
         return True
 
+    async def evict_round(self, i: int, need: int) -> bool:
+        """Move victims adding up to ``need`` bytes out of tier ``i`` at once; False when
+        none could leave."""
+        return await self._evict_round(i, need)
+
     async def _evict_round(self, i: int, need: int) -> bool:
         victims = self.pick(i, max(1, need))
         if not victims:
@@ -195,6 +207,10 @@ class Placement:
         """Wake the demoter when some tier is above its high watermark."""
         if any(self.above_high(t) for t in self.state.tiers):
             self._kick.set()
+
+    def kick_now(self) -> None:
+        """Wake the demoter (a writer is waiting for room)."""
+        self._kick.set()
 
     async def run_demoter(self, interval: float = 0.05) -> None:
         """Keep every bounded tier under its high watermark (cancel the task to stop)."""
@@ -265,6 +281,8 @@ class Placement:
             if not rec.alive:
                 return False
         lower = self.state.tiers[i + 1 :]
+        if is_internal(rec.key):  # the server's own values stay on this node
+            lower = [t for t in lower if not is_shared(t)]
         if not lower:
             return True
         held = any(t.name in rec.tiers for t in lower)
@@ -288,7 +306,7 @@ class Placement:
         refused = False
         for j in range(i + 1, len(state.tiers)):
             dst = state.tiers[j]
-            if dst.name in rec.tiers:
+            if dst.name in rec.tiers or (is_internal(rec.key) and is_shared(dst)):
                 continue
             try:
                 await self.put_with_room(j, meta, data)
@@ -331,15 +349,12 @@ class Placement:
         dram = self.state.dram
         if dram is None or nbytes > dram.capacity:
             return None
-        for attempt in range(2):
-            try:
-                return dram.reserve(key, nbytes)
-            except TierFull:
-                if attempt or not make_room:
-                    return None
-                if not await self.make_room(self.state.tier_index(dram.name), nbytes):
-                    return None
-        return None
+        if make_room:
+            return await self.room.reserve(key, nbytes)  # in turn (``room``)
+        try:
+            return dram.reserve(key, nbytes)
+        except TierFull:
+            return None
 
     async def copy_to_dram(self, rec: ChunkRecord, src: Tier, make_room: bool) -> bool | None:
         """Read ``rec`` from ``src`` into a new DRAM slot, verify it and commit it there (the
@@ -421,16 +436,11 @@ class Placement:
                     raise
 
     def describe_full(self, nbytes: int) -> str:
-        """Why a chunk of ``nbytes`` fits nowhere (for the OOM reply)."""
-        pinned: dict[str, int] = {}
-        for rec in self.state.index:
-            if rec.pins or rec.leases:
-                for t in rec.tiers:
-                    pinned[t] = pinned.get(t, 0) + rec.size
-        parts = []
-        for tier in self.state.tiers:
-            parts.append(
-                f"{tier.name} uses {tier.used} of {tier.capacity} bytes, largest free "
-                f"{min(self.free_for(tier), tier.capacity)}, pinned {pinned.get(tier.name, 0)}"
-            )
+        """Why a chunk of ``nbytes`` fits nowhere (for the OOM reply); O(tiers), no scan."""
+        parts = [
+            f"{tier.name} uses {tier.used} of {tier.capacity} bytes, largest free "
+            f"{min(self.free_for(tier), tier.capacity)}"
+            for tier in self.state.tiers
+        ]
+        parts.append(f"{len(self.state.leases)} leases pin chunks")
         return f"cannot place a chunk of {nbytes} bytes in any tier: " + "; ".join(parts)

@@ -115,7 +115,7 @@ class PosixBackend:
 
     def write_file(self, path: str, header: bytes, payload: memoryview) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        fd = os.open(path, flags | (_O_DIRECT if self.direct else 0), 0o644)
+        fd = os.open(path, flags | (_O_DIRECT if self.direct else 0), 0o600)
         try:
             if not self.direct:
                 _pwrite_all(fd, [memoryview(header), payload], 0)
@@ -277,7 +277,7 @@ def probe_direct(folder: str) -> tuple[bool, str]:
     if not _O_DIRECT:
         return False, "O_DIRECT is not available on this platform"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
@@ -297,6 +297,6 @@ def probe_direct(folder: str) -> tuple[bool, str]:
 def probe_writable(folder: str) -> None:
     """Create and remove a file in ``folder``; raises OSError when that fails."""
     path = os.path.join(folder, ".kvstrata-probe")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.close(fd)
     os.unlink(path)

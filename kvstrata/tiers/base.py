@@ -180,6 +180,10 @@ class Tier(ABC):
         """Tier-specific fields for INFO tiers (fragmentation, backend, paths…)."""
         return {}
 
+    async def prepare(self) -> None:  # noqa: B027 - optional hook
+        """Slow set-up left out of the constructor (the dram pre-touch), awaited by the store
+        at start while the server already answers with ``-LOADING``."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass
 

@@ -14,7 +14,10 @@ handed out again at once, so a ``view()`` stays valid only while the store keeps
 pinned.
 
 Everything here runs on the event loop without awaiting: a copy of a 32 MiB chunk is a few
-milliseconds of memcpy.
+milliseconds of memcpy. The pre-touch is the exception: built with ``defer_pretouch`` (the
+server does), the constructor only creates the segment and :meth:`DramTier.prepare` touches it
+on a worker thread in 64 MiB steps (numpy's fill releases the GIL), logging progress, so the
+event loop keeps answering ``PING`` (with ``-LOADING`` for KV commands) meanwhile.
 
 Segments of processes killed before ``close()`` are reclaimed when the next tier with the same
 prefix starts, and once more :data:`STALE_AFTER_SECONDS` later (:meth:`DramTier.reclaim_stale`,
@@ -31,6 +34,7 @@ interpreter exit). Processes that attach by name must unregister it too (see
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import itertools
 import logging
@@ -66,11 +70,16 @@ class DramConfig:
     pin: str = "auto"  # auto | yes | no
     pin_quota: int = 0  # most bytes to pin; 0 = the whole arena
     region: str = "dram0"  # region id in handles and KV.REGIONS
+    #: leave pre-touch and pinning to ``await tier.prepare()`` (off the event loop)
+    defer_pretouch: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any) -> DramConfig:
         """Build from a :class:`kvstrata.config.Config`."""
-        return cls(capacity=cfg.dram_capacity, pin=cfg.dram_pin, pin_quota=cfg.dram_pin_quota)
+        return cls(
+            capacity=cfg.dram_capacity, pin=cfg.dram_pin, pin_quota=cfg.dram_pin_quota,
+            defer_pretouch=True,
+        )  # fmt: skip
 
 
 def _unlink_shm(name: str) -> None:
@@ -174,19 +183,50 @@ class DramTier(ArenaTier):
         assert buf is not None
         self._buf: memoryview = buf
         super().__init__(size, config.region, instance)
-        started = time.perf_counter()
-        self._pretouch()
-        self.touch_seconds = time.perf_counter() - started
+        self.touch_seconds = 0.0
+        self.touched = 0  # bytes pre-touched so far (progress while loading)
         self._pin_ptr = 0
-        self.pinned, self.pin_reason = self._pin()
+        self.pinned, self.pin_reason = 0, "not prepared yet"
+        if not config.defer_pretouch:
+            started = time.perf_counter()
+            for start in range(0, size, _TOUCH_STEP):
+                self._touch_range(start, min(size, start + _TOUCH_STEP))
+            self.touch_seconds = time.perf_counter() - started
+            self.pinned, self.pin_reason = self._pin()
 
     # -- arena setup --------------------------------------------------------------------
 
-    def _pretouch(self) -> None:
-        arena = np.frombuffer(self._buf, dtype=np.uint8)
-        for start in range(0, arena.size, _TOUCH_STEP):
-            arena[start : start + _TOUCH_STEP].fill(0)
-        del arena
+    def _touch_range(self, start: int, end: int) -> None:
+        """Write zeros over ``[start, end)`` so its pages are faulted in now (GIL released)."""
+        np.frombuffer(self._buf[start:end], dtype=np.uint8).fill(0)
+        self.touched = end
+
+    async def prepare(self) -> None:
+        """Pre-touch (and pin) a tier built with ``defer_pretouch``, on a worker thread, with a
+        progress line in the log about every second. Cancelling it waits for the step in
+        flight (the segment must not be closed under a writing thread)."""
+        if not self.config.defer_pretouch or self.touch_seconds:
+            return
+        loop = asyncio.get_running_loop()
+        size = self._alloc.capacity
+        started = last_log = time.perf_counter()
+        for start in range(0, size, _TOUCH_STEP):
+            step = loop.run_in_executor(
+                None, self._touch_range, start, min(size, start + _TOUCH_STEP)
+            )
+            try:
+                await asyncio.shield(step)
+            except asyncio.CancelledError:
+                await asyncio.wait([step])
+                raise
+            now = time.perf_counter()
+            if now - last_log >= 1.0:
+                last_log = now
+                log.info("dram: pre-touched %d%% of %s (%.1f s)", 100 * self.touched // size,
+                         _fmt_bytes(size), now - started)  # fmt: skip
+        self.touch_seconds = max(time.perf_counter() - started, 1e-9)
+        self.pinned, self.pin_reason = await loop.run_in_executor(None, self._pin)
+        log.info("dram: arena of %s ready in %.2f s", _fmt_bytes(size), self.touch_seconds)
 
     def _pin(self) -> tuple[int, str]:
         if self.config.pin == "no":
@@ -296,6 +336,10 @@ class DramTier(ArenaTier):
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
 
 
 # Registered by call rather than as a decorator so that type checkers keep the class type.

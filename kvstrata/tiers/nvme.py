@@ -40,6 +40,7 @@ from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt, unlink_quietly
 from kvstrata.tiers._nvme_format import file_bytes
 from kvstrata.tiers._nvme_io import PosixBackend, choose_backend, probe_writable
 from kvstrata.tiers._nvme_scan import QUARANTINE, RebuildReport
+from kvstrata.tiers._nvme_space import DiskFull, FsSpace, is_full_error
 from kvstrata.tiers._nvme_sync import POLICIES, SYNC_MARKER, GroupSync
 from kvstrata.tiers.base import (
     Buffer,
@@ -55,6 +56,22 @@ from kvstrata.tiers.base import (
 log = logging.getLogger(__name__)
 SHARDS = [f"{i:02x}" for i in range(256)]
 SCAN_THREADS = 16
+#: chunk files hold prompts' KV: folders 0700, files 0600 (as the DRAM arena), whatever the umask
+PRIVATE_DIR = 0o700
+
+
+def make_private(folder: Path) -> None:
+    """Tighten a folder (new, or left by an older version or another tool) to 0700."""
+    mode = folder.stat().st_mode & 0o777
+    if mode == PRIVATE_DIR:
+        return
+    try:
+        os.chmod(folder, PRIVATE_DIR)
+    except OSError as exc:
+        raise TierUnavailable(
+            f"nvme-path folder {folder} has mode {mode:o} and cannot be made private "
+            f"(0700): {exc.strerror}"
+        ) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +126,7 @@ class NvmeTier(Tier):
         if config.fsync == "batch":
             direct = isinstance(self.backend, PosixBackend) and self.backend.direct
             self._group = GroupSync(os.path.join(self.root, SYNC_MARKER), per_file=not direct)
+        self._space = FsSpace(self.root, config.capacity)
         self._index: dict[ChunkKey, ChunkMeta] = {}
         self._used = 0
         self._pending = 0
@@ -130,9 +148,11 @@ class NvmeTier(Tier):
                     raise TierUnavailable(
                         f"nvme-path {root} does not exist, nor does its parent {root.parent}"
                     )
-                root.mkdir()
+                root.mkdir(mode=PRIVATE_DIR)
+            make_private(root)
             for sub in [*SHARDS, QUARANTINE]:
-                (root / sub).mkdir(exist_ok=True)
+                (root / sub).mkdir(mode=PRIVATE_DIR, exist_ok=True)
+                make_private(root / sub)
             probe_writable(self.root)
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
@@ -146,7 +166,8 @@ class NvmeTier(Tier):
 
     @property
     def capacity(self) -> int:
-        return self.config.capacity
+        """``nvme-capacity``, lowered while the file system has less room (``_nvme_space``)."""
+        return self._space.capacity
 
     @property
     def used(self) -> int:
@@ -168,6 +189,7 @@ class NvmeTier(Tier):
         need = file_bytes(meta.size)
         await self._acquire(meta.key)
         try:
+            self._space.recheck(self._used)
             if self._used + self._pending + need > self.capacity:
                 raise TierFull(
                     f"nvme: {need} bytes do not fit ({self._used} used and {self._pending} "
@@ -182,6 +204,11 @@ class NvmeTier(Tier):
             except IntegrityError:
                 self.stats.integrity_errors += 1
                 raise
+            except TierIOError as exc:
+                if not is_full_error(exc):
+                    raise
+                limit = self._space.lower(self._used)
+                raise DiskFull(f"{exc}; capacity now {limit} bytes") from exc
             finally:
                 self._pending -= need
             self.stats.seconds_in += time.perf_counter() - started
@@ -278,7 +305,10 @@ class NvmeTier(Tier):
         report = self.rebuild_report
         return {
             "path": self.root,
-            "capacity": self.capacity,
+            "capacity": self._refreshed_capacity(),
+            "capacity_configured": self.config.capacity,
+            "capacity_lowered": self._space.lowered_times,
+            "enospc": self.stats.extra["enospc"],
             "used": self._used,
             "chunks": len(self._index),
             "backend": self.backend.name,
@@ -306,6 +336,10 @@ class NvmeTier(Tier):
         self._files.close()
 
     # -- event-loop helpers -------------------------------------------------------------
+
+    def _refreshed_capacity(self) -> int:
+        self._space.recheck(self._used)
+        return self.capacity
 
     def _check_open(self) -> None:
         if self._closed:
@@ -368,7 +402,8 @@ class NvmeTier(Tier):
 
     def _io_error(self, what: str, exc: OSError) -> TierIOError:
         self.stats.errors += 1
-        kind = {errno.ENOSPC: "enospc", errno.EIO: "eio", errno.EACCES: "eacces"}
+        kind = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio",
+                errno.EACCES: "eacces"}  # fmt: skip
         name = kind.get(exc.errno or 0, "eio" if exc.errno is None else "")
         if name:
             self.stats.extra[name] += 1

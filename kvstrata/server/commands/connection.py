@@ -34,7 +34,7 @@ REDIS_COMPAT_VERSION = "7.2.0"
 @command(
     "PING",
     -1,
-    "fast",
+    "fast loading",  # unlike Redis, answered while loading: health checks pass at once
     group="connection",
     summary="Returns the server's liveliness response.",
     arguments=(Arg("message", "string", optional=True),),

@@ -130,7 +130,9 @@ _PUT_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
         Arg("nx", "pure-token", optional=True, token="NX"),
     ),
     reply="Integer: 1 when stored, 0 when NX was given and the chunk already exists. "
-    "-OOM when it fits in no tier.",
+    "-OOM when it fits in no tier; `-OOM N writes are already waiting for DRAM room "
+    "(write-wait-queue)` / `-OOM no DRAM room for N bytes within S s (write-wait-timeout)` "
+    "when the queue for DRAM room is full or its wait ran out.",
     sink=_put_sink,
 )
 def kv_put(ctx: Ctx, args: Args) -> Reply:
@@ -166,6 +168,15 @@ def _reply(payload: Any) -> Reply:
     return None if payload is None else BulkView(payload.view, payload.release)
 
 
+def _count(ctx: Ctx, payload: Any) -> Any:
+    """INFO keyspace_hits/keyspace_misses count chunk reads as Redis counts GETs."""
+    if payload is None:
+        ctx.server.keyspace.misses += 1
+    else:
+        ctx.server.keyspace.hits += 1
+    return payload
+
+
 @command(
     "KV.GET",
     3,
@@ -181,12 +192,12 @@ def kv_get(ctx: Ctx, args: Args) -> Reply:
     store = store_of(ctx)
     payload = store.get_now(ns, h)
     if payload is NOT_NOW:
-        return _get_slow(store, ns, h)  # a coroutine: the connection awaits it, in order
-    return _reply(payload)
+        return _get_slow(ctx, store, ns, h)  # a coroutine: the connection awaits it, in order
+    return _reply(_count(ctx, payload))
 
 
-async def _get_slow(store: Any, ns: str, h: bytes) -> Reply:
-    return _reply(await store.get(ns, h))
+async def _get_slow(ctx: Ctx, store: Any, ns: str, h: bytes) -> Reply:
+    return _reply(_count(ctx, await store.get(ns, h)))
 
 
 @command(
@@ -202,7 +213,7 @@ async def _get_slow(store: Any, ns: str, h: bytes) -> Reply:
 async def kv_mget(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     hashes = check_hashes(args[2:])
-    return [_reply(p) for p in await store_of(ctx).mget(ns, hashes)]
+    return [_reply(_count(ctx, p)) for p in await store_of(ctx).mget(ns, hashes)]
 
 
 # -- KV.MATCH / KV.MATCHTOKENS -------------------------------------------------------------------

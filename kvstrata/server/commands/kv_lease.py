@@ -126,7 +126,9 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
         TIER,
     ),
     reply="Array: [lease id, [region, offset, length, instance]]; -LEASELIMIT past lease-max, "
-    "lease-max-per-client or lease-fence-max.",
+    "lease-max-per-client or lease-fence-max; -OOM when no slot can be made, or "
+    "(write-wait-queue, write-wait-timeout) when the queue for DRAM room is full or its wait "
+    "ran out.",
 )
 async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])

@@ -74,15 +74,32 @@ def _server_fields(ctx: Ctx) -> Fields:
 
 def _memory_fields(ctx: Ctx) -> Fields:
     used = ctx.server.used_memory()
-    maxmemory = int(ctx.server.config.get("dram-capacity"))
+    strings = ctx.server.strings
+    maxmemory = strings.limit  # what is enforced (maxmemory 0 means dram-capacity)
     return [
         ("used_memory", used),
         ("used_memory_human", human_bytes(used)),
         ("used_memory_rss", used),
         ("used_memory_rss_human", human_bytes(used)),
+        ("used_memory_strings", strings.used),  # what maxmemory counts (kvstrata.store.strings)
+        ("used_memory_strings_human", human_bytes(strings.used)),
         ("maxmemory", maxmemory),
         ("maxmemory_human", human_bytes(maxmemory)),
+        ("maxmemory_policy", strings.policy),
     ]
+
+
+def _loading_fields(ctx: Ctx) -> Fields:
+    """Redis's loading fields: 1 from the moment the port is bound until the store is ready."""
+    srv = ctx.server
+    fields: Fields = [("loading", int(srv.loading)), ("async_loading", 0)]
+    if srv.loading:
+        fields += [
+            ("loading_start_time", int(srv.loading_start_time)),
+            ("loading_eta_seconds", -1),
+            ("loading_elapsed_seconds", int(time.time() - srv.loading_start_time)),
+        ]
+    return fields
 
 
 def _stats_fields(ctx: Ctx) -> Fields:
@@ -94,6 +111,7 @@ def _stats_fields(ctx: Ctx) -> Fields:
         ("total_net_output_bytes", stats.total_net_output_bytes),
         ("rejected_connections", stats.rejected_connections),
         ("expired_keys", ks.expired_keys),
+        ("evicted_keys", ctx.server.strings.evicted_keys),
         ("keyspace_hits", ks.hits),
         ("keyspace_misses", ks.misses),
         ("total_error_replies", stats.total_error_replies),
@@ -128,6 +146,7 @@ def info_sections(ctx: Ctx) -> dict[str, Fields]:
             ("monitor_clients", len(srv.monitors)),
         ],
         "memory": _memory_fields(ctx),
+        "persistence": _loading_fields(ctx),
         "stats": _stats_fields(ctx),
         "replication": [("role", "master"), ("connected_slaves", 0)],
         "cpu": _cpu_fields(),
@@ -135,6 +154,8 @@ def info_sections(ctx: Ctx) -> dict[str, Fields]:
     store_sections = srv.store.info_sections() if srv.store is not None else {}
     for name, fields in store_sections.items():
         sections.setdefault(name.lower(), []).extend(fields)
+    sections["commandstats"] = srv.cmdstats.info_commandstats()
+    sections["errorstats"] = srv.cmdstats.info_errorstats()
     keys = len(ks)
     sections["keyspace"] = (
         [("db0", f"keys={keys},expires={ks.count_expiring()},avg_ttl=0")] if keys else []
@@ -142,10 +163,16 @@ def info_sections(ctx: Ctx) -> dict[str, Fields]:
     return sections
 
 
+_NOT_DEFAULT = ("commandstats", "errorstats")
+
+
 def render_info(sections: dict[str, Fields], wanted: list[str]) -> bytes:
-    """The INFO text for the requested section names (``default``/``all``/``everything``)."""
-    if not wanted or any(w in ("all", "everything", "default") for w in wanted):
+    """The INFO text for the requested section names (``default``/``all``/``everything``;
+    as in Redis, commandstats and errorstats are left out of the default set)."""
+    if any(w in ("all", "everything") for w in wanted):
         names = list(sections)
+    elif not wanted or "default" in wanted:
+        names = [n for n in sections if n not in _NOT_DEFAULT or n in wanted]
     else:
         names = [n for n in sections if n in wanted]
     parts = []
@@ -272,7 +299,9 @@ def config_set(ctx: Ctx, args: Args) -> Reply:
 def config_resetstat(ctx: Ctx, args: Args) -> Reply:
     srv = ctx.server
     srv.stats.reset()
+    srv.cmdstats.reset()
     srv.keyspace.hits = srv.keyspace.misses = srv.keyspace.expired_keys = 0
+    srv.strings.evicted_keys = 0
     return OK
 
 
@@ -325,8 +354,10 @@ _SHUTDOWN_OPTS = {b"NOSAVE", b"SAVE", b"NOW", b"FORCE", b"ABORT"}
     -1,
     _ADMIN + " no_multi allow_busy",
     group="server",
-    summary="Shuts the server down gracefully (in-flight commands finish, tiers are closed).",
-    complexity="O(N) when saving, where N is the total number of keys in all databases",
+    summary="Shuts the server down gracefully: in-flight commands finish, chunks held only in "
+    "memory (DRAM, GPU) are written to NVMe (not with NOSAVE; within shutdown-timeout), tiers "
+    "are closed.",
+    complexity="O(N) where N is the number of chunks held only in memory (none with NOSAVE)",
     arguments=(
         Arg(
             "save-selector",
@@ -351,6 +382,6 @@ def shutdown(ctx: Ctx, args: Args) -> Reply:
         raise syntax_error()
     if b"ABORT" in opts:
         raise CommandError("No shutdown in progress.")  # shutdowns here are never pending
-    ctx.server.request_shutdown()
+    ctx.server.request_shutdown(save=b"NOSAVE" not in opts)
     ctx.close_after_reply()
     return NO_REPLY
