@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from kvstrata.tiers.base import TierIOError
 
@@ -50,7 +50,7 @@ class GroupSync:
     """
 
     def __init__(self, marker: str, per_file: bool) -> None:
-        self._marker = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._marker = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._per_file = per_file
         self._cond = threading.Condition()
         self._waiting: list[tuple[int, Future[None]]] = []
@@ -99,10 +99,13 @@ class GroupSync:
             for file_fd, done in group:
                 if file_fd >= 0:
                     os.close(file_fd)
-                if error is None:
-                    done.set_result(None)
-                else:
-                    done.set_exception(error)
+                try:
+                    if error is None:
+                        done.set_result(None)
+                    else:
+                        done.set_exception(error)
+                except InvalidStateError:  # the writer gave up waiting (cancelled): nothing to tell
+                    pass
 
     def _sync(self, group: list[tuple[int, Future[None]]]) -> OSError | None:
         """One pass; the first error fails the whole group."""
