@@ -7,7 +7,9 @@ takes decoded commands from the queue it passes to :meth:`Intake.decode`.
 A bulk argument of :data:`BIG` bytes or more is received in place: ``sink_for(args, nbytes)``
 (the command's payload sink, e.g. an arena slot for ``KV.PUT``) gives its destination, the bytes
 already buffered are copied there once, and ``get_buffer`` then returns the rest of the
-destination so the kernel writes the payload where it will live.
+destination so the kernel writes the payload where it will live. A bulk without a sink lands in
+a :class:`GrowingBulk`: as in Redis, memory grows with the bytes that arrive, never with the
+length a client declares (``$1073741824`` followed by nothing costs one small buffer).
 """
 
 from __future__ import annotations
@@ -22,20 +24,28 @@ BIG = 64 * 1024  # bulk arguments at least this large are received in place
 INITIAL_BUFFER = 64 * 1024
 
 
-class BytesSink:
-    """Default destination of a large bulk: a bytearray that becomes the argument."""
+FIRST_GROWTH = 1024 * 1024  # a growing bulk's first buffer (or its length when smaller)
 
-    __slots__ = ("data", "view")
 
-    def __init__(self, nbytes: int) -> None:
-        self.data = bytearray(nbytes)
-        self.view = memoryview(self.data)
+class GrowingBulk:
+    """Default destination of a large bulk: a bytearray that doubles as bytes arrive (so a
+    declared length costs nothing until it is sent) and becomes the argument when complete."""
 
-    def consume(self) -> bytearray:
-        return self.data
+    __slots__ = ("data", "filled", "length")
 
-    def abort(self) -> None:
-        pass
+    def __init__(self, length: int, first: bytes | memoryview) -> None:
+        self.length = length
+        self.filled = len(first)
+        self.data = bytearray(min(length, max(FIRST_GROWTH, self.filled)))
+        self.data[: self.filled] = first
+
+    def room(self) -> memoryview:
+        """Where the next bytes go (grown first when the buffer is full)."""
+        if self.filled == len(self.data):
+            bigger = bytearray(min(self.length, 2 * len(self.data)))
+            bigger[: self.filled] = self.data
+            self.data = bigger
+        return memoryview(self.data)[self.filled :]
 
 
 class WithSinks:
@@ -70,6 +80,7 @@ class Intake:
         self.end = 0
         self.partial: WithSinks | None = None
         self._direct: memoryview | None = None
+        self._grow: GrowingBulk | None = None
         self._filled = 0
         #: set when the buffer would grow past the query buffer limit
         self.overflow = False
@@ -85,12 +96,14 @@ class Intake:
     @property
     def receiving_payload(self) -> bool:
         """A large bulk is being received in place."""
-        return self._direct is not None
+        return self._direct is not None or self._grow is not None
 
     # -- transport side -------------------------------------------------------------------
     def get_buffer(self, limit: int) -> memoryview:
         if self._direct is not None:
             return self._direct[self._filled :]
+        if self._grow is not None:
+            return self._grow.room()
         if self.end == len(self.buf):
             self._make_room(limit)
         return self._mv[self.end :]
@@ -102,6 +115,15 @@ class Intake:
             if self._filled < self._direct.nbytes:
                 return False
             self._direct = None
+            return True
+        grow = self._grow
+        if grow is not None:
+            grow.filled += nbytes
+            if grow.filled < grow.length:
+                return False
+            assert self.partial is not None
+            self.partial.args[-1] = grow.data  # the argument is the complete buffer
+            self._grow = None
             return True
         self.end += nbytes
         return True
@@ -131,7 +153,7 @@ class Intake:
         Commands with sinks are queued as :class:`WithSinks`, others as plain lists."""
         if self.partial is not None:
             return self._continue(queue, max_bulk)
-        if self.start == self.end or self._direct is not None:
+        if self.start == self.end or self.receiving_payload:
             return False
         cmds, pos, state = decoder.parse_requests(
             self.buf, self.start, self.end, BIG, max_bulk, max_args
@@ -151,22 +173,25 @@ class Intake:
 
     def _begin_big(self, state: tuple[Any, ...], sinks: dict[int, Any], nbytes: int = 0) -> None:
         args, remaining, length, data_pos = state  # a BigBulk, or the C scanner's tuple
-        sink = self._sink_for(args, length)
-        if sink is None:
-            sink = BytesSink(length)
-            args.append(sink.data)
-        else:
-            sinks[len(args)] = sink
-            args.append(sink.view)
         self.partial = WithSinks(args, remaining - 1, sinks)
         self.partial.nbytes = nbytes + length
         self.queued_payload += length
-        have = min(self.end - data_pos, length)
-        if have > 0:
-            sink.view[:have] = self._mv[data_pos : data_pos + have]
+        have = max(0, min(self.end - data_pos, length))
+        sink = self._sink_for(args, length)
+        if sink is None:
+            grow = GrowingBulk(length, self._mv[data_pos : data_pos + have])
+            args.append(grow.data)
+            if have < length:
+                self._grow = grow
+        else:
+            sinks[len(args)] = sink
+            args.append(sink.view)
+            if have > 0:
+                sink.view[:have] = self._mv[data_pos : data_pos + have]
+            if have < length:
+                self._direct = sink.view.cast("B") if sink.view.format != "B" else sink.view
+                self._filled = have
         if have < length:
-            self._direct = sink.view.cast("B") if sink.view.format != "B" else sink.view
-            self._filled = have
             self.start = self.end = 0
         else:
             self.start = data_pos + length
@@ -175,7 +200,7 @@ class Intake:
         """Finish the command of a large bulk; False when more bytes are needed."""
         part = self.partial
         assert part is not None
-        if self._direct is not None:
+        if self.receiving_payload:
             return False
         if part.need_crlf:
             if self.end - self.start < 2:
@@ -196,19 +221,19 @@ class Intake:
             if state is not True:  # another large bulk (its args are part.args)
                 self.partial = None
                 self._begin_big(state, part.sinks, part.nbytes)
-                return self._direct is None
+                return not self.receiving_payload
         self.partial = None
         queue.append(part)
         return True
 
     def drop(self) -> dict[int, Any]:
         """Forget a half-received command; its sinks are returned for aborting."""
-        part, self.partial, self._direct = self.partial, None, None
+        part, self.partial, self._direct, self._grow = self.partial, None, None, None
         if part is None:
             return {}
         self.queued_payload -= part.nbytes
         return part.sinks
 
     def compact(self) -> None:
-        if self.start == self.end and self._direct is None:
+        if self.start == self.end and not self.receiving_payload:
             self.start = self.end = 0
