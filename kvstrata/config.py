@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvstrata.buffer_limits import BufferLimits, parse_buffer_limits
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
@@ -186,6 +188,22 @@ OPTIONS: tuple[Option, ...] = (
          mutable=True),
     _opt("client-query-buffer-limit", 1024**3, parse_size,
          "Most bytes of unexecuted commands buffered per client.", mutable=True),
+    _opt("client-output-buffer-limit", BufferLimits(), parse_buffer_limits,
+         "Redis's `<class> <hard> <soft> <soft seconds>`, repeated, for classes normal, "
+         "monitor, replica, pubsub: a client whose unsent replies reach the hard limit, or stay "
+         "above the soft limit longer than the soft seconds, is disconnected and its pinned "
+         "chunks released (0 = no limit). Setting some classes keeps the others.",
+         mutable=True),
+    _opt("payload-timeout", 30, _int(0, 86_400),
+         "Seconds a half-received command (a payload being uploaded) may make no progress "
+         "before its connection is closed and its DRAM slot freed (0 = never).", mutable=True),
+    _opt("max-chain-chunks", 65536, _int(1, 2**31 - 1),
+         "Most chunks (hashes) one KV.MATCH/MGET/LEASE/PREFETCH names or one KV.MATCHTOKENS "
+         "produces.", mutable=True),
+    _opt("max-match-tokens", 16 * 1024 * 1024, _int(1, 2**31 - 1),
+         "Most token ids in one KV.MATCHTOKENS.", mutable=True),
+    _opt("min-chunk-tokens", 16, _int(1, 1 << 20),
+         "Smallest CHUNK a KV.MATCHTOKENS may ask for.", mutable=True),
     _opt("shutdown-timeout", 10, _int(0, 3600),
          "Seconds in-flight commands get to finish on shutdown.", mutable=True),
     _opt("slowlog-log-slower-than", 10000, _int(-1, 10**12),
@@ -274,7 +292,7 @@ class Config:
                 f"CONFIG SET failed (possibly related to argument '{name}') - "
                 "can't set immutable config"
             )
-        self.values[name] = _parse(opt, raw)
+        self.values[name] = _merge(self.values.get(name), _parse(opt, raw))
         if check:
             _check(self.values)
 
@@ -303,6 +321,14 @@ def _parse(opt: Option, raw: Any) -> Any:
         return opt.parse(raw)
     except ValueError as exc:
         raise ConfigError(f"invalid value for '{opt.name}': {exc}") from None
+
+
+def _merge(old: Any, new: Any) -> Any:
+    """A value that names only part of a key (some classes of client-output-buffer-limit)
+    keeps the rest of the old one."""
+    if isinstance(new, BufferLimits) and isinstance(old, BufferLimits):
+        return new.merged_into(old)
+    return new
 
 
 def _check(values: Mapping[str, Any]) -> None:
@@ -350,7 +376,7 @@ def load_config(
                 if source == "environment":
                     continue  # foreign KVSTRATA_* variables are not ours to judge
                 raise ConfigError(f"unknown key '{name}' in {source}")
-            values[name] = _parse(opt, raw)
+            values[name] = _merge(values[name], _parse(opt, raw))
     _check(values)
     return Config(values)
 
