@@ -339,6 +339,11 @@ def _check(values: Mapping[str, Any]) -> None:
                 f"invalid value for '{tier}-low-watermark': {lo} is above "
                 f"{tier}-high-watermark ({hi})"
             )
+    if values["chunk-tokens"] < values["min-chunk-tokens"]:
+        raise ConfigError(
+            f"invalid value for 'min-chunk-tokens': {values['min-chunk-tokens']} is above "
+            f"chunk-tokens ({values['chunk-tokens']})"
+        )
     if values["tls-port"] and not (values["tls-cert-file"] and values["tls-key-file"]):
         raise ConfigError("invalid value for 'tls-port': needs tls-cert-file and tls-key-file")
 

@@ -208,7 +208,7 @@ class Connection(asyncio.BufferedProtocol):
         server = self.server
         try:
             spec = server.fast_specs.get(args[0])
-        except TypeError:  # a name that arrived as a large bulk (bytearray)
+        except (TypeError, ValueError):  # a name that arrived as a large bulk (unhashable)
             spec = None
         if (
             spec is None

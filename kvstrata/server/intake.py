@@ -8,12 +8,15 @@ A bulk argument of :data:`BIG` bytes or more is received in place: ``sink_for(ar
 (the command's payload sink, e.g. an arena slot for ``KV.PUT``) gives its destination, the bytes
 already buffered are copied there once, and ``get_buffer`` then returns the rest of the
 destination so the kernel writes the payload where it will live. A bulk without a sink lands in
-a :class:`GrowingBulk`: as in Redis, memory grows with the bytes that arrive, never with the
-length a client declares (``$1073741824`` followed by nothing costs one small buffer).
+a :class:`PagedBulk` (or, where the system refuses the mapping, a :class:`GrowingBulk`): as in
+Redis, memory grows with the bytes that arrive, never with the length a client declares
+(``$1073741824`` followed by nothing costs a few pages).
 """
 
 from __future__ import annotations
 
+import mmap
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +28,20 @@ INITIAL_BUFFER = 64 * 1024
 
 
 FIRST_GROWTH = 1024 * 1024  # a growing bulk's first buffer (or its length when smaller)
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
+
+
+class PagedBulk:
+    """Default destination of a large bulk: an anonymous private mapping of its declared length.
+    The kernel provides its pages as the payload lands in them, so memory grows with the bytes
+    received (a declared length costs address space only), nothing is copied, and the memory
+    goes back to the system when the argument is dropped."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, length: int) -> None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE
+        self.view = memoryview(mmap.mmap(-1, length, flags=flags))
 
 
 class GrowingBulk:
@@ -179,11 +196,18 @@ class Intake:
         have = max(0, min(self.end - data_pos, length))
         sink = self._sink_for(args, length)
         if sink is None:
-            grow = GrowingBulk(length, self._mv[data_pos : data_pos + have])
-            args.append(grow.data)
+            try:
+                sink = PagedBulk(length)
+            except OSError:  # strict overcommit refused the mapping: grow a buffer instead
+                grow = GrowingBulk(length, self._mv[data_pos : data_pos + have])
+                args.append(grow.data)
+                self._grow = grow if have < length else None
+        if type(sink) is PagedBulk:
+            args.append(sink.view)
+            sink.view[:have] = self._mv[data_pos : data_pos + have]
             if have < length:
-                self._grow = grow
-        else:
+                self._direct, self._filled = sink.view, have
+        elif sink is not None:
             sinks[len(args)] = sink
             args.append(sink.view)
             if have > 0:

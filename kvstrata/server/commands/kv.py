@@ -1,14 +1,20 @@
 """KV.* commands that store, read, match and inspect chunks (leases are in ``kv_lease``).
 
 Handlers validate every argument before touching the store, so bad input gets an error reply
-and changes nothing. Trailing option words (``WITHTIERS``, ``PREFETCH``, ``CASCADE``,
-``TOKENS``, ``TTL``, ``NX``…) are matched case-insensitively; in commands that take a variable
-list of hashes (``KV.MATCH``) a hash equal to an option word must not be the last argument.
+and changes nothing. Chain commands name at most ``max-chain-chunks`` hashes; long but legal
+work runs in slices of :data:`SLICE` hashes that yield to the event loop (KV.MATCH, KV.MGET) or
+on a worker thread (the hashing of KV.MATCHTOKENS), so other clients stay served.
+
+Trailing option words (``WITHTIERS``, ``PREFETCH``, ``CASCADE``, ``TOKENS``, ``TTL``, ``NX``…)
+are matched case-insensitively; in commands that take a variable list of hashes (``KV.MATCH``)
+a hash equal to an option word must not be the last argument.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvstrata.protocol.errors import CommandError, RespError, syntax_error
@@ -24,6 +30,9 @@ HASH = Arg("hash", "string")
 HASHES = Arg("hash", "string", multiple=True)
 PARENT = Arg("parent", "string")
 TTL_MAX = 10 * 365 * 86_400_000
+SLICE = 4096  # hashes handled between two yields to the event loop
+THREAD_TOKENS = 65536  # KV.MATCHTOKENS hashes more tokens than this on a worker thread
+_hash_pool: ThreadPoolExecutor | None = None
 
 
 def store_of(ctx: Ctx) -> Any:
@@ -79,6 +88,14 @@ def check_hashes(raw: Args) -> list[bytes]:
             validate_hash(b)
         out.append(b)
     return out
+
+
+def chain_hashes(ctx: Ctx, raw: Args) -> list[bytes]:
+    """:func:`check_hashes`, refusing more than ``max-chain-chunks`` of them."""
+    limit = ctx.server.config.values["max-chain-chunks"]
+    if len(raw) > limit:
+        raise CommandError(f"too many chunks: {len(raw)} given, max-chain-chunks is {limit}")
+    return check_hashes(raw)
 
 
 # -- KV.PUT --------------------------------------------------------------------------------------
@@ -195,8 +212,14 @@ async def _get_slow(store: Any, ns: str, h: bytes) -> Reply:
 )
 async def kv_mget(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
-    hashes = check_hashes(args[2:])
-    return [_reply(p) for p in await store_of(ctx).mget(ns, hashes)]
+    hashes = chain_hashes(ctx, args[2:])
+    store = store_of(ctx)
+    out: list[Reply] = []
+    for start in range(0, len(hashes), SLICE):
+        if start:
+            await asyncio.sleep(0)  # a long MGET lets other clients run between slices
+        out += [_reply(p) for p in await store.mget(ns, hashes[start : start + SLICE])]
+    return out
 
 
 # -- KV.MATCH / KV.MATCHTOKENS -------------------------------------------------------------------
@@ -230,12 +253,34 @@ def kv_match(ctx: Ctx, args: Args) -> Reply:
     while end > 3 and len(args[end - 1]) <= 9 and arg_bytes(args[end - 1]).upper() in _MATCH_WORDS:
         flags.add(arg_bytes(args[end - 1]).upper())
         end -= 1
-    hashes = check_hashes(args[2:end])
+    hashes = chain_hashes(ctx, args[2:end])
     store = store_of(ctx)
+    if len(hashes) > SLICE:
+        return _match_sliced(store, ns, hashes, flags)
     records = store.matched(ns, hashes)
     if store.wants_remote(len(records), len(hashes)):
         # Only now is there I/O: the connection awaits the returned coroutine.
         return _match_remote(store, ns, hashes, records, flags)
+    return _match_reply(store, ns, records, flags)
+
+
+async def _matched_sliced(store: Any, ns: str, hashes: list[bytes]) -> list[Any]:
+    """``store.matched`` over a long chain, a slice at a time with yields between."""
+    records: list[Any] = []
+    for start in range(0, len(hashes), SLICE):
+        if start:
+            await asyncio.sleep(0)
+        part = store.matched(ns, hashes[start : start + SLICE])
+        records += part
+        if len(part) < min(SLICE, len(hashes) - start):
+            break
+    return records
+
+
+async def _match_sliced(store: Any, ns: str, hashes: list[bytes], flags: set[bytes]) -> Reply:
+    records = await _matched_sliced(store, ns, hashes)
+    if store.wants_remote(len(records), len(hashes)):
+        records = await store.match_remote(ns, hashes, records)
     return _match_reply(store, ns, records, flags)
 
 
@@ -275,6 +320,12 @@ def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
     if memoryview(tokens).nbytes % 4:
         raise CommandError("invalid tokens: length must be a multiple of 4 (packed LE u32)")
     store = store_of(ctx)
+    values = ctx.server.config.values
+    ntokens = memoryview(tokens).nbytes // 4
+    if ntokens > values["max-match-tokens"]:
+        raise CommandError(
+            f"too many tokens: {ntokens} given, max-match-tokens is {values['max-match-tokens']}"
+        )
     chunk = int(store.config.chunk_tokens)
     extra: list[bytes] = []
     i = 3
@@ -290,8 +341,17 @@ def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
             raise syntax_error()
         else:
             raise CommandError(f"unknown option '{word[:64].decode('utf-8', 'replace')}'")
+    if chunk < values["min-chunk-tokens"]:
+        raise CommandError(f"invalid CHUNK: min-chunk-tokens is {values['min-chunk-tokens']}")
+    if ntokens // chunk > values["max-chain-chunks"]:
+        raise CommandError(
+            f"too many chunks: {ntokens // chunk} of {chunk} tokens, max-chain-chunks is "
+            f"{values['max-chain-chunks']}"
+        )
     from kvstrata.store.hashing import chunk_hashes
 
+    if ntokens > THREAD_TOKENS:
+        return _matchtokens_threaded(store, ns, tokens, chunk, extra)
     hashes = chunk_hashes(arg_bytes(tokens), ns, chunk, extra)
     records = store.matched(ns, hashes)
     if store.wants_remote(len(records), len(hashes)):
@@ -299,10 +359,29 @@ def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
     return [len(records) * chunk, len(records), hashes]
 
 
+async def _matchtokens_threaded(
+    store: Any, ns: str, tokens: Any, chunk: int, extra: list[bytes]
+) -> Reply:
+    """Hash on the (one) hashing thread, then match in slices: the loop never waits on it."""
+    from kvstrata.store.hashing import chunk_hashes
+
+    global _hash_pool
+    if _hash_pool is None:
+        _hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-hash")
+    hashes = await asyncio.get_running_loop().run_in_executor(
+        _hash_pool, chunk_hashes, tokens, ns, chunk, extra
+    )
+    return await _matchtokens_remote(
+        store, ns, hashes, await _matched_sliced(store, ns, hashes), chunk
+    )
+
+
 async def _matchtokens_remote(
     store: Any, ns: str, hashes: list[bytes], records: list[Any], chunk: int
 ) -> Reply:
-    matched = len(await store.match_remote(ns, hashes, records))
+    if store.wants_remote(len(records), len(hashes)):
+        records = await store.match_remote(ns, hashes, records)
+    matched = len(records)
     return [matched * chunk, matched, hashes]
 
 

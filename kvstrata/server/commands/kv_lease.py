@@ -23,7 +23,7 @@ from kvstrata.server.commands.kv import (
     HASHES,
     NS,
     PARENT,
-    check_hashes,
+    chain_hashes,
     int_option,
     parse_options,
     store_of,
@@ -90,7 +90,7 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
         else:
             break
         end -= 2
-    hashes = check_hashes(args[2:end])
+    hashes = chain_hashes(ctx, args[2:end])
     lease = await store_of(ctx).lease(ns, hashes, ttl, tier)
     if lease is None:
         return [None, []]

@@ -20,7 +20,7 @@ from typing import Any
 from kvstrata.protocol.errors import CommandError, syntax_error
 from kvstrata.protocol.frames import OK
 from kvstrata.server.commands.connection import arg_bytes
-from kvstrata.server.commands.kv import HASH, HASHES, NS, check_hashes, int_option, store_of
+from kvstrata.server.commands.kv import HASH, HASHES, NS, chain_hashes, int_option, store_of
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.keys import validate_hash, validate_namespace
@@ -113,6 +113,6 @@ def kv_prefetch(ctx: Ctx, args: Args) -> Reply:
         request_id, queued = store.prefetch_session(ns, _session_id(args[3]), target, deadline)
         return [request_id, queued]
     end, target, deadline = _trailing_options(args, 2)
-    hashes = check_hashes(args[2:end])
+    hashes = chain_hashes(ctx, args[2:end])
     request_id, queued = store.prefetch_request(ns, hashes, target, deadline)
     return [request_id, queued]
