@@ -208,7 +208,8 @@ async def _get_slow(store: Any, ns: str, h: bytes) -> Reply:
     summary="Returns the payloads of several chunks of one namespace.",
     complexity="O(N) chunks",
     arguments=(NS, HASHES),
-    reply="Array: one bulk string or null per hash.",
+    reply="Array: one bulk string or null per hash."
+    " -ERR too many chunks when more hashes than max-chain-chunks are given.",
 )
 async def kv_mget(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
@@ -244,7 +245,8 @@ _MATCH_WORDS = (b"WITHTIERS", b"PREFETCH")
         Arg("withtiers", "pure-token", optional=True, token="WITHTIERS"),
         Arg("prefetch", "pure-token", optional=True, token="PREFETCH"),
     ),
-    reply="Integer: number of leading chunks cached; with WITHTIERS an array [count, [tier, ...]].",
+    reply="Integer: number of leading chunks cached; with WITHTIERS an array [count, [tier, ...]]."
+    " -ERR too many chunks when more hashes than max-chain-chunks are given.",
 )
 def kv_match(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
@@ -312,7 +314,9 @@ async def _match_remote(
         Arg("chunk", "integer", optional=True, token="CHUNK"),
         Arg("extra", "string", optional=True, multiple=True, token="EXTRA"),
     ),
-    reply="Array: [matched tokens, matched chunks, [hash of every full chunk, ...]].",
+    reply="Array: [matched tokens, matched chunks, [hash of every full chunk, ...]]. -ERR too "
+    "many tokens above max-match-tokens; -ERR invalid CHUNK below min-chunk-tokens; -ERR too "
+    "many chunks when the tokens make more chunks than max-chain-chunks.",
 )
 def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])

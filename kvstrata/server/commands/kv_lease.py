@@ -74,7 +74,8 @@ def _lease_id(arg: Any) -> str:
     complexity="O(N) hashes",
     arguments=(NS, HASHES, TTL, TIER),
     reply="Array: [lease id or null, [[region, offset, length], ...]] (null and an empty list "
-    "when the first chunk is not cached).",
+    "when the first chunk is not cached). -ERR too many chunks when more hashes than "
+    "max-chain-chunks are given.",
 )
 async def kv_lease(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])

@@ -97,7 +97,8 @@ def _trailing_options(args: Args, first: int) -> tuple[int, str | None, int | No
     ),
     reply="Array: [request id, chunks queued] ([0, 0] when nothing was queued: unknown "
     "session, chunks already there, or a full queue, counted in INFO prefetch as dropped). "
-    "With CANCEL: integer 1 when a queued request was cancelled, else 0.",
+    "With CANCEL: integer 1 when a queued request was cancelled, else 0. -ERR too many chunks "
+    "when more hashes than max-chain-chunks are given.",
 )
 def kv_prefetch(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
