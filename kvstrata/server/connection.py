@@ -3,14 +3,8 @@
 The protocol callbacks never await. Synchronous handlers run inline; an ``async def`` handler
 runs as a task and the commands behind it wait (replies stay in pipeline order). Reading
 pauses while an async command runs and more than :data:`HIGH_WATER` bytes are buffered, and
-while the client does not drain its replies (more than :data:`OUT_HIGH` bytes unsent).
-
-The transport's write-buffer high-water mark is zero: ``pause_writing`` means "bytes stay
-queued", ``resume_writing`` "all written". Those events release the chunks pinned by zero-copy
-replies (see ``pins``) and bound what a client that does not read may cost: Redis's
-``client-output-buffer-limit`` is checked whenever output stays queued and once a second
-(:meth:`Connection.cron`), which also closes a connection whose half-received command made no
-progress for ``payload-timeout`` seconds.
+while the client does not drain its replies (the write side, pins released by transport
+events and the limits that close a client, is in ``writeside``).
 
 Large bulk arguments (≥ :data:`BIG`) are received in place: the command's ``sink`` (see the
 registry) provides the destination — for ``KV.PUT`` an arena slot — and ``get_buffer`` hands
@@ -40,6 +34,7 @@ from kvstrata.server.admission import fmt_addr, refusal
 from kvstrata.server.context import ClientState
 from kvstrata.server.intake import Intake, WithSinks, abort_sinks
 from kvstrata.server.pins import ReplyPins, release_now
+from kvstrata.server.writeside import WriteSide
 
 if TYPE_CHECKING:
     from kvstrata.server.app import Server
@@ -48,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstrata.server")
 
 HIGH_WATER = 4 * 1024 * 1024  # undecoded bytes buffered before reading pauses
-OUT_HIGH = 1024 * 1024  # unsent reply bytes above which commands stop running (flow control)
 QUEUE_AHEAD = 1024  # commands decoded ahead while the client does not read its replies
 UNAUTH_MAX_BULK = 16 * 1024  # frame limits before AUTH (as Redis 7)
 UNAUTH_MAX_ARGS = 10
@@ -59,7 +53,7 @@ _NO_SINKS: dict[int, Any] = {}
 _NOT_MONITORED = frozenset({"no_auth", "admin"})
 
 
-class Connection(asyncio.BufferedProtocol):
+class Connection(WriteSide, asyncio.BufferedProtocol):
     """Implements ``server.context.Ctx`` for the handlers."""
 
     def __init__(self, server: Server) -> None:
@@ -75,8 +69,8 @@ class Connection(asyncio.BufferedProtocol):
         self._close_after = False
         self._read_paused = False
         self._write_paused = False
-        self._unsent = False  # the transport holds bytes not written yet
-        self._soft_since = 0.0  # when the output buffer went over its soft limit
+        self._unsent = False
+        self._soft_since = 0.0
         self._resp3 = False
         self._task: asyncio.Task[None] | None = None
         self._queue: deque[Any] = deque()  # plain argument lists, or WithSinks
@@ -102,9 +96,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.client.authenticated = not cfg.requirepass
         server.clients[self.client.id] = self
-        # "pause" as soon as one byte stays queued (uvloop's TLS transport pauses at >= high)
-        high = 1 if transport.get_extra_info("sslcontext") is not None else 0
-        transport.set_write_buffer_limits(high=high, low=0)  # type: ignore[attr-defined]
+        self.set_write_events(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
@@ -134,17 +126,6 @@ class Connection(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool:
         return False
-
-    def pause_writing(self) -> None:
-        self._unsent = True  # _flush checks how much (flow control, output limits)
-
-    def resume_writing(self) -> None:
-        self._unsent = False
-        self._soft_since = 0.0
-        self._pins.drained()
-        if self._write_paused:
-            self._write_paused = False
-            self._process()
 
     # -- input ----------------------------------------------------------------------------
     def _process(self) -> None:
@@ -331,60 +312,10 @@ class Connection(asyncio.BufferedProtocol):
                 self.transport.write(b"".join(out))
             else:
                 self.transport.writelines(join_small(out))
-        self._pins.written(self._unsent)
-        if self._unsent:
-            self._check_output()
+        self._after_write()
         if self._close_after:
             self._closing = True
             self.transport.close()
-
-    def _check_output(self) -> None:
-        """Bytes stay queued in the transport: pause commands above OUT_HIGH, and close the
-        connection when it is over its class's client-output-buffer-limit."""
-        transport = self.transport
-        if transport is None or self._closing:
-            return
-        size = transport.get_write_buffer_size()
-        if size > OUT_HIGH and not self._write_paused:
-            self._write_paused = True
-            self._update_reading()
-        self._enforce_output_limit(size, time.monotonic())
-
-    def _enforce_output_limit(self, size: int, now: float) -> None:
-        limits = self.server.config.values["client-output-buffer-limit"]
-        limit = limits.monitor if "O" in self.client.flags else limits.normal
-        over_soft = limit.soft and size >= limit.soft
-        if not over_soft:
-            self._soft_since = 0.0
-        elif not self._soft_since:
-            self._soft_since = now
-        if (limit.hard and size >= limit.hard) or (
-            over_soft and now - self._soft_since > limit.soft_seconds
-        ):
-            log.warning(
-                "closing client %s: %d bytes of output not read (client-output-buffer-limit)",
-                self.client.addr, size,
-            )  # fmt: skip
-            self.drop()
-
-    def cron(self, now: float) -> None:
-        """Once a second (from the server's cron): limits that need no event to trip."""
-        if self._closing or self.transport is None:
-            return
-        if self._unsent:
-            self._enforce_output_limit(self.transport.get_write_buffer_size(), now)
-        timeout = self.server.config.values["payload-timeout"]
-        if (
-            timeout
-            and self._in.partial is not None
-            and not self._read_paused
-            and now - self.client.last_interaction > timeout
-        ):
-            log.warning(
-                "closing client %s: its command made no progress for %d s (payload-timeout)",
-                self.client.addr, timeout,
-            )  # fmt: skip
-            self.drop()
 
     def _ahead_full(self) -> bool:
         """Decoded-but-waiting commands reached their bound (count or payload bytes)."""
@@ -427,13 +358,6 @@ class Connection(asyncio.BufferedProtocol):
         self._closing = True
         if self.transport is not None:
             self.transport.close()
-
-    def drop(self) -> None:
-        """Close at once, discarding unsent output (a client that does not read would keep a
-        closing transport, and the chunks its replies pin, forever)."""
-        self._closing = True
-        if self.transport is not None:
-            self.transport.abort()
 
     def set_protocol(self, version: int) -> None:
         self._resp3 = version == 3
