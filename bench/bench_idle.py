@@ -88,6 +88,7 @@ def measure(proc: Proc, kv: bool, args: argparse.Namespace, path: Path) -> dict[
     started = time.perf_counter()
     _pipe(proc, path)
     out["load s"] = time.perf_counter() - started
+    _call(proc.port, _cmd(b"DBSIZE"), b":%d" % args.keys)
     out["ttl keys"] = _share(proc, args.seconds)
     value = b"c" * (4 * MiB)
     if kv:

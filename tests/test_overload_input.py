@@ -57,3 +57,41 @@ def test_put_without_a_slot_costs_only_what_arrives(make_process_server) -> None
         assert grown < 64 * MiB, f"RSS grew by {grown // MiB} MiB for 1 MiB received"
     finally:
         attacker.close()
+
+
+def test_trickled_multibulk_is_scanned_once(monkeypatch) -> None:
+    """Scenario: a command of 200k small arguments arrives 64 KiB at a time. The bytes given
+    to the scanner stay proportional to the command (before: it rescanned the command from its
+    start on every arrival, quadratic work on the event loop), and it decodes exactly."""
+    from kvstrata.protocol import decoder
+    from kvstrata.server.intake import Intake
+
+    scanned = [0]
+    real = decoder.parse_requests
+
+    def counting(buf, pos, end, *rest):  # type: ignore[no-untyped-def]
+        scanned[0] += end - pos
+        return real(buf, pos, end, *rest)
+
+    monkeypatch.setattr(decoder, "parse_requests", counting)
+    args = [b"KV.MATCH", b"ns", *(b"h%07d" % i for i in range(200_000))]
+    args[100_000] = bytes(range(256)) * 400  # a large argument in the middle lands in place
+    data = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
+    data += b"*1\r\n$4\r\nPING\r\n"
+    intake = Intake(lambda _args, _n: None)
+    queue: list = []
+    for i in range(0, len(data), 65536):
+        piece = data[i : i + 65536]
+        while piece:
+            room = intake.get_buffer(1 << 30)
+            n = min(len(room), len(piece))
+            room[:n] = piece[:n]
+            piece = piece[n:]
+            del room
+            if intake.received(n):
+                while intake.decode(queue, 1 << 30, 1 << 20):
+                    pass
+            intake.compact()
+    decoded = [q if isinstance(q, list) else q.args for q in queue]
+    assert [[bytes(a) for a in cmd] for cmd in decoded] == [args, [b"PING"]]
+    assert scanned[0] < 4 * len(data), f"scanned {scanned[0]} bytes for {len(data)}"

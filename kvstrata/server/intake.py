@@ -24,6 +24,10 @@ from kvstrata.protocol import decoder
 from kvstrata.protocol.errors import ProtocolError
 
 BIG = 64 * 1024  # bulk arguments at least this large are received in place
+#: an incomplete command holding this many bytes is parsed incrementally from then on (the
+#: scanner would otherwise rescan it from its start each time bytes arrive: quadratic work for
+#: a client that trickles a command of a million small arguments)
+INCREMENTAL = 1024 * 1024
 INITIAL_BUFFER = 64 * 1024
 
 
@@ -178,6 +182,8 @@ class Intake:
         self.start = pos
         queue.extend(cmds)
         if state is None:
+            if not cmds and self.end - self.start >= INCREMENTAL:
+                return self._begin_incremental(queue, max_bulk)
             return bool(cmds)
         if state == decoder.INLINE:
             inline, pos = decoder.parse_inlines(self.buf, self.start, self.end)
@@ -219,6 +225,16 @@ class Intake:
             self.start = self.end = 0
         else:
             self.start = data_pos + length
+
+    def _begin_incremental(self, queue: Any, max_bulk: int) -> bool:
+        """Go on with the incomplete multibulk at ``start`` argument by argument (its header
+        was checked by the scanner, which stopped at the command's end)."""
+        nl = self.buf.find(b"\r\n", self.start, self.end)
+        count = int(self._mv[self.start + 1 : nl])
+        self.partial = WithSinks([], count, {})
+        self.partial.need_crlf = False
+        self.start = nl + 2
+        return self._continue(queue, max_bulk)
 
     def _continue(self, queue: Any, max_bulk: int) -> bool:
         """Finish the command of a large bulk; False when more bytes are needed."""
