@@ -84,12 +84,8 @@ def _non_readers(port: int, request: bytes, count: int) -> list[socket.socket]:
 
 
 def measure(proc: Proc, kv: bool, args: argparse.Namespace, path: Path) -> dict[str, float]:
+    """The three states in turn: empty, non-readers (then closed), TTL keys."""
     out = {"empty": _share(proc, args.seconds)}
-    started = time.perf_counter()
-    _pipe(proc, path)
-    out["load s"] = time.perf_counter() - started
-    _call(proc.port, _cmd(b"DBSIZE"), b":%d" % args.keys)
-    out["ttl keys"] = _share(proc, args.seconds)
     value = b"c" * (4 * MiB)
     if kv:
         _call(proc.port, _cmd(b"KV.PUT", b"ns", b"h" * 32, b"", value), b":1")
@@ -104,6 +100,11 @@ def measure(proc: Proc, kv: bool, args: argparse.Namespace, path: Path) -> dict[
     finally:
         for s in socks:
             s.close()
+    started = time.perf_counter()
+    _pipe(proc, path)
+    out["load s"] = time.perf_counter() - started
+    _call(proc.port, _cmd(b"DBSIZE"), b":%d" % (args.keys + 1))
+    out["ttl keys"] = _share(proc, args.seconds)
     return out
 
 

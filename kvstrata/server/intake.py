@@ -105,6 +105,9 @@ class Intake:
         self._filled = 0
         #: set when the buffer would grow past the query buffer limit
         self.overflow = False
+        #: bytes of small arguments already parsed into ``partial`` (they count against the
+        #: query buffer limit like the bytes still buffered)
+        self.partial_bytes = 0
         #: bytes of large bulks decoded (or arriving) and not run yet; the connection
         #: subtracts a command's ``nbytes`` when it runs it
         self.queued_payload = 0
@@ -125,6 +128,9 @@ class Intake:
             return self._direct[self._filled :]
         if self._grow is not None:
             return self._grow.room()
+        if self.partial is not None and self.partial_bytes + self.end - self.start > limit:
+            self.start = self.end = 0  # the connection reports it and closes
+            self.overflow = True
         if self.end == len(self.buf):
             self._make_room(limit)
         return self._mv[self.end :]
@@ -255,6 +261,7 @@ class Intake:
                 self.buf, self.start, self.end, part.remaining, BIG, max_bulk, part.args
             )
             part.remaining -= len(part.args) - before
+            self.partial_bytes += pos - self.start
             self.start = pos
             if state is None:
                 return False
@@ -263,12 +270,14 @@ class Intake:
                 self._begin_big(state, part.sinks, part.nbytes)
                 return not self.receiving_payload
         self.partial = None
+        self.partial_bytes = 0
         queue.append(part)
         return True
 
     def drop(self) -> dict[int, Any]:
         """Forget a half-received command; its sinks are returned for aborting."""
         part, self.partial, self._direct, self._grow = self.partial, None, None, None
+        self.partial_bytes = 0
         if part is None:
             return {}
         self.queued_payload -= part.nbytes
