@@ -113,8 +113,12 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--clients", type=int, default=200)
-    parser.add_argument("--settle", type=float, default=3.0,
-                        help="seconds between the non-readers' requests and the measurement")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        help="seconds between the non-readers' requests and the measurement",
+    )
     args = parser.parse_args()
     path = _protocol_file(args.keys)
     rows: list[tuple[str, dict[str, float]]] = []

@@ -12,9 +12,10 @@ MiB = 1024 * 1024
 
 
 def _put_head(h: bytes, declared: int) -> bytes:
-    return (
-        b"*5\r\n$6\r\nKV.PUT\r\n$2\r\nns\r\n$%d\r\n%b\r\n$0\r\n\r\n$%d\r\n"
-        % (len(h), h, declared)
+    return b"*5\r\n$6\r\nKV.PUT\r\n$2\r\nns\r\n$%d\r\n%b\r\n$0\r\n\r\n$%d\r\n" % (
+        len(h),
+        h,
+        declared,
     )
 
 

@@ -12,17 +12,25 @@ a hash equal to an option word must not be the last argument.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvstrata.protocol.errors import CommandError, RespError, syntax_error
 from kvstrata.protocol.frames import BulkView
+from kvstrata.server.commands._chain import (
+    SLICE,
+    THREAD_TOKENS,
+    chain_hashes,
+    check_hashes,  # noqa: F401 (re-exported for the command modules that import it from here)
+    check_token_limits,
+    hash_off_loop,
+    matched_sliced,
+    next_slice,
+)
 from kvstrata.server.commands.connection import arg_bytes, parse_int
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
-from kvstrata.store.keys import MAX_HASH_BYTES, validate_hash, validate_namespace, validate_parent
+from kvstrata.store.keys import validate_hash, validate_namespace, validate_parent
 from kvstrata.store.kvstore import NOT_NOW
 
 NS = Arg("namespace", "string")
@@ -30,9 +38,6 @@ HASH = Arg("hash", "string")
 HASHES = Arg("hash", "string", multiple=True)
 PARENT = Arg("parent", "string")
 TTL_MAX = 10 * 365 * 86_400_000
-SLICE = 4096  # hashes handled between two yields to the event loop
-THREAD_TOKENS = 65536  # KV.MATCHTOKENS hashes more tokens than this on a worker thread
-_hash_pool: ThreadPoolExecutor | None = None
 
 
 def store_of(ctx: Ctx) -> Any:
@@ -77,25 +82,6 @@ def _tokens(arg: Any) -> int:
 
 def _ttl(arg: Any) -> int:
     return int_option(arg, "TTL", 1, TTL_MAX)
-
-
-def check_hashes(raw: Args) -> list[bytes]:
-    """Hashes of a chain (1–64 bytes each), cheaply: no copy when they are already bytes."""
-    out = []
-    for h in raw:
-        b = h if type(h) is bytes else bytes(h)
-        if not 1 <= len(b) <= MAX_HASH_BYTES:
-            validate_hash(b)
-        out.append(b)
-    return out
-
-
-def chain_hashes(ctx: Ctx, raw: Args) -> list[bytes]:
-    """:func:`check_hashes`, refusing more than ``max-chain-chunks`` of them."""
-    limit = ctx.server.config.values["max-chain-chunks"]
-    if len(raw) > limit:
-        raise CommandError(f"too many chunks: {len(raw)} given, max-chain-chunks is {limit}")
-    return check_hashes(raw)
 
 
 # -- KV.PUT --------------------------------------------------------------------------------------
@@ -217,8 +203,7 @@ async def kv_mget(ctx: Ctx, args: Args) -> Reply:
     store = store_of(ctx)
     out: list[Reply] = []
     for start in range(0, len(hashes), SLICE):
-        if start:
-            await asyncio.sleep(0)  # a long MGET lets other clients run between slices
+        await next_slice(start)
         out += [_reply(p) for p in await store.mget(ns, hashes[start : start + SLICE])]
     return out
 
@@ -266,21 +251,8 @@ def kv_match(ctx: Ctx, args: Args) -> Reply:
     return _match_reply(store, ns, records, flags)
 
 
-async def _matched_sliced(store: Any, ns: str, hashes: list[bytes]) -> list[Any]:
-    """``store.matched`` over a long chain, a slice at a time with yields between."""
-    records: list[Any] = []
-    for start in range(0, len(hashes), SLICE):
-        if start:
-            await asyncio.sleep(0)
-        part = store.matched(ns, hashes[start : start + SLICE])
-        records += part
-        if len(part) < min(SLICE, len(hashes) - start):
-            break
-    return records
-
-
 async def _match_sliced(store: Any, ns: str, hashes: list[bytes], flags: set[bytes]) -> Reply:
-    records = await _matched_sliced(store, ns, hashes)
+    records = await matched_sliced(store, ns, hashes)
     if store.wants_remote(len(records), len(hashes)):
         records = await store.match_remote(ns, hashes, records)
     return _match_reply(store, ns, records, flags)
@@ -324,12 +296,7 @@ def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
     if memoryview(tokens).nbytes % 4:
         raise CommandError("invalid tokens: length must be a multiple of 4 (packed LE u32)")
     store = store_of(ctx)
-    values = ctx.server.config.values
     ntokens = memoryview(tokens).nbytes // 4
-    if ntokens > values["max-match-tokens"]:
-        raise CommandError(
-            f"too many tokens: {ntokens} given, max-match-tokens is {values['max-match-tokens']}"
-        )
     chunk = int(store.config.chunk_tokens)
     extra: list[bytes] = []
     i = 3
@@ -345,13 +312,7 @@ def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
             raise syntax_error()
         else:
             raise CommandError(f"unknown option '{word[:64].decode('utf-8', 'replace')}'")
-    if chunk < values["min-chunk-tokens"]:
-        raise CommandError(f"invalid CHUNK: min-chunk-tokens is {values['min-chunk-tokens']}")
-    if ntokens // chunk > values["max-chain-chunks"]:
-        raise CommandError(
-            f"too many chunks: {ntokens // chunk} of {chunk} tokens, max-chain-chunks is "
-            f"{values['max-chain-chunks']}"
-        )
+    check_token_limits(ctx.server.config.values, ntokens, chunk)
     from kvstrata.store.hashing import chunk_hashes
 
     if ntokens > THREAD_TOKENS:
@@ -366,17 +327,10 @@ def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
 async def _matchtokens_threaded(
     store: Any, ns: str, tokens: Any, chunk: int, extra: list[bytes]
 ) -> Reply:
-    """Hash on the (one) hashing thread, then match in slices: the loop never waits on it."""
-    from kvstrata.store.hashing import chunk_hashes
-
-    global _hash_pool
-    if _hash_pool is None:
-        _hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-hash")
-    hashes = await asyncio.get_running_loop().run_in_executor(
-        _hash_pool, chunk_hashes, tokens, ns, chunk, extra
-    )
+    """Hash on the hashing thread, then match in slices: the loop never waits on either."""
+    hashes = await hash_off_loop(tokens, ns, chunk, extra)
     return await _matchtokens_remote(
-        store, ns, hashes, await _matched_sliced(store, ns, hashes), chunk
+        store, ns, hashes, await matched_sliced(store, ns, hashes), chunk
     )
 
 
