@@ -101,6 +101,7 @@ def test_output_hard_limit_closes_a_non_reader_and_releases_its_pins(make_proces
     sock = _non_reader(srv.port, _get_cmd())
     try:
         _wait_closed(r, accepted)
+        assert r.info("stats")["client_output_buffer_limit_disconnections"] == 1
         assert r.execute_command("KV.DEL", NS, H) == 1
         wait_until(lambda: _dram_used(r) == 0, what="its pinned slot to be freed")
     finally:

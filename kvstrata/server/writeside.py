@@ -95,6 +95,7 @@ class WriteSide:
                 "closing client %s: %d bytes of output not read (client-output-buffer-limit)",
                 self.client.addr, size,
             )  # fmt: skip
+            self.server.stats.output_limit_disconnections += 1
             self.drop()
 
     def cron(self, now: float) -> None:
