@@ -169,3 +169,20 @@ def test_config_get_and_set_output_limits(server) -> None:
         assert "client-output-buffer-limit" in str(exc)
     else:
         raise AssertionError("a malformed limit was accepted")
+
+
+def test_tls_replies_release_their_pins(make_server, tmp_path) -> None:
+    """Over TLS too, a zero-copy reply's chunk is unpinned once the transport took it: after
+    KV.DEL its DRAM slot is freed."""
+    from tests.conftest import free_port
+    from tests.test_server_core import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    srv = make_server(tls_port=free_port(), tls_cert_file=cert, tls_key_file=key)
+    r = redis.Redis(port=srv.server.tls_port, ssl=True, ssl_ca_certs=str(cert), protocol=3)
+    payload = bytes(range(256)) * (8 * MiB // 256)
+    assert r.execute_command("KV.PUT", NS, H, b"", payload) == 1
+    for _ in range(3):
+        assert r.execute_command("KV.GET", NS, H) == payload
+    assert r.execute_command("KV.DEL", NS, H) == 1
+    wait_until(lambda: _dram_used(r) == 0, what="the slot to be freed")
