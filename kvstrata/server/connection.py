@@ -165,6 +165,8 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         self._in.compact()
         self._flush()
         self._update_reading()
+        if intake.yielded and not self._closing:  # a long command is parsed in slices
+            asyncio.get_running_loop().call_soon(self._process)
 
     def _authenticated(self) -> bool:
         """Authenticated, or no password is required any more (CONFIG SET requirepass "")."""

@@ -28,6 +28,7 @@ BIG = 64 * 1024  # bulk arguments at least this large are received in place
 #: scanner would otherwise rescan it from its start each time bytes arrive: quadratic work for
 #: a client that trickles a command of a million small arguments)
 INCREMENTAL = 1024 * 1024
+SLICE_ARGS = 65536  # arguments parsed incrementally per call before the loop gets a turn
 INITIAL_BUFFER = 64 * 1024
 
 
@@ -108,6 +109,9 @@ class Intake:
         #: bytes of small arguments already parsed into ``partial`` (they count against the
         #: query buffer limit like the bytes still buffered)
         self.partial_bytes = 0
+        #: the last decode stopped after SLICE_ARGS arguments with more bytes to parse: the
+        #: connection calls again on a later turn of the event loop
+        self.yielded = False
         #: bytes of large bulks decoded (or arriving) and not run yet; the connection
         #: subtracts a command's ``nbytes`` when it runs it
         self.queued_payload = 0
@@ -156,8 +160,10 @@ class Intake:
         return True
 
     def _make_room(self, limit: int) -> None:
+        """The buffer is full: move the pending bytes to its front when that frees at least
+        half of it, else double it (moving megabytes to free a few would be quadratic)."""
         pending = self.end - self.start
-        if self.start > 0:
+        if self.start > 0 and (self.start >= len(self.buf) // 2 or len(self.buf) >= limit):
             data = bytes(self._mv[self.start : self.end])
             self.buf[:pending] = data
             self.start, self.end = 0, pending
@@ -168,16 +174,18 @@ class Intake:
             self.overflow = True
             return
         bigger = bytearray(len(self.buf) * 2)
-        bigger[:pending] = self._mv[:pending]
+        bigger[:pending] = self._mv[self.start : self.end]
         self._mv.release()
         self.buf = bigger
         self._mv = memoryview(bigger)
+        self.start, self.end = 0, pending
 
     # -- decoding -------------------------------------------------------------------------
     def decode(self, queue: Any, max_bulk: int, max_args: int) -> bool:
         """Decode buffered commands into ``queue``; False when nothing more can be decoded.
 
         Commands with sinks are queued as :class:`WithSinks`, others as plain lists."""
+        self.yielded = False
         if self.partial is not None:
             return self._continue(queue, max_bulk)
         if self.start == self.end or self.receiving_payload:
@@ -256,9 +264,10 @@ class Intake:
             self.start += 2
             part.need_crlf = False
         if part.remaining:
-            before = len(part.args)
+            before, total = len(part.args), part.remaining
+            n = min(total, SLICE_ARGS)
             pos, state = decoder.parse_args(
-                self.buf, self.start, self.end, part.remaining, BIG, max_bulk, part.args
+                self.buf, self.start, self.end, n, BIG, max_bulk, part.args
             )
             part.remaining -= len(part.args) - before
             self.partial_bytes += pos - self.start
@@ -266,9 +275,13 @@ class Intake:
             if state is None:
                 return False
             if state is not True:  # another large bulk (its args are part.args)
+                args, left, length, data_pos = state  # ``left`` counts within the slice
                 self.partial = None
-                self._begin_big(state, part.sinks, part.nbytes)
+                self._begin_big((args, left + total - n, length, data_pos), part.sinks, part.nbytes)
                 return not self.receiving_payload
+            if part.remaining:  # a slice of a long command: let the loop run in between
+                self.yielded = self.start < self.end
+                return False
         self.partial = None
         self.partial_bytes = 0
         queue.append(part)
