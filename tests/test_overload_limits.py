@@ -99,3 +99,27 @@ def test_long_legal_commands_leave_ping_fast(make_process_server) -> None:
     assert heavy.wait() == 0
     assert probes > 3
     assert worst < 1.0, f"PING took {worst * 1000:.0f} ms"
+
+
+MILLION = """
+import socket, sys
+n = 1_000_000
+data = b"*%d\\r\\n$7\\r\\nKV.MGET\\r\\n$2\\r\\nns\\r\\n" % (n + 2) + b"$8\\r\\nxxxxxxxx\\r\\n" * n
+with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=120) as s:
+    s.sendall(data)
+    reply = s.recv(200)
+assert reply.startswith(b"-ERR too many chunks: 1000000 given"), reply
+"""
+
+
+def test_a_million_hashes_are_refused_without_stalling(make_process_server) -> None:
+    """Scenario (the issue's): a KV.MGET of 1M hashes. Before, every hash was looked up on the
+    event loop (seconds during which PING waited); now it is parsed in slices and refused
+    with a clear error while another client's PING stays fast."""
+    srv = make_process_server(dram_capacity="8MiB", nvme_capacity="0")
+    heavy = subprocess.Popen([sys.executable, "-c", MILLION, str(srv.port)])
+    worst = 0.0
+    while heavy.poll() is None:
+        worst = max(worst, ping_seconds(srv.port, count=1))
+    assert heavy.wait() == 0
+    assert worst < 1.0, f"PING took {worst * 1000:.0f} ms"
