@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvstrata.buffer_limits import BufferLimits, parse_buffer_limits
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
@@ -217,6 +219,22 @@ OPTIONS: tuple[Option, ...] = (
          "room; more get -OOM.", mutable=True),
     _opt("write-wait-timeout", 30000, _int(1, 3_600_000),
          "Most ms a write waits in turn for DRAM room before -OOM.", mutable=True),
+    _opt("client-output-buffer-limit", BufferLimits(), parse_buffer_limits,
+         "Redis's `<class> <hard> <soft> <soft seconds>`, repeated, for classes normal, "
+         "monitor, replica, pubsub: a client whose unsent replies reach the hard limit, or stay "
+         "above the soft limit longer than the soft seconds, is disconnected and its pinned "
+         "chunks released (0 = no limit). Setting some classes keeps the others.",
+         mutable=True),
+    _opt("payload-timeout", 30, _int(0, 86_400),
+         "Seconds a half-received command (a payload being uploaded) may make no progress "
+         "before its connection is closed and its DRAM slot freed (0 = never).", mutable=True),
+    _opt("max-chain-chunks", 65536, _int(1, 2**31 - 1),
+         "Most chunks (hashes) one KV.MATCH/MGET/LEASE/PREFETCH names or one KV.MATCHTOKENS "
+         "produces.", mutable=True),
+    _opt("max-match-tokens", 16 * 1024 * 1024, _int(1, 2**31 - 1),
+         "Most token ids in one KV.MATCHTOKENS.", mutable=True),
+    _opt("min-chunk-tokens", 16, _int(1, 1 << 20),
+         "Smallest CHUNK a KV.MATCHTOKENS may ask for.", mutable=True),
     _opt("shutdown-timeout", 10, _int(0, 3600),
          "Seconds in-flight commands get to finish on shutdown.", mutable=True),
     _opt("slowlog-log-slower-than", 10000, _int(-1, 10**12),
@@ -327,7 +345,7 @@ class Config:
                 f"CONFIG SET failed (possibly related to argument '{name}') - "
                 "can't set immutable config"
             )
-        self.values[name] = _parse(opt, raw)
+        self.values[name] = _merge(self.values.get(name), _parse(opt, raw))
         if check:
             _check(self.values)
 
@@ -358,6 +376,14 @@ def _parse(opt: Option, raw: Any) -> Any:
         raise ConfigError(f"invalid value for '{opt.name}': {exc}") from None
 
 
+def _merge(old: Any, new: Any) -> Any:
+    """A value that names only part of a key (some classes of client-output-buffer-limit)
+    keeps the rest of the old one."""
+    if isinstance(new, BufferLimits) and isinstance(old, BufferLimits):
+        return new.merged_into(old)
+    return new
+
+
 def _check(values: Mapping[str, Any]) -> None:
     for tier in ("gpu", "dram", "nvme"):
         lo, hi = values[f"{tier}-low-watermark"], values[f"{tier}-high-watermark"]
@@ -366,6 +392,11 @@ def _check(values: Mapping[str, Any]) -> None:
                 f"invalid value for '{tier}-low-watermark': {lo} is above "
                 f"{tier}-high-watermark ({hi})"
             )
+    if values["chunk-tokens"] < values["min-chunk-tokens"]:
+        raise ConfigError(
+            f"invalid value for 'min-chunk-tokens': {values['min-chunk-tokens']} is above "
+            f"chunk-tokens ({values['chunk-tokens']})"
+        )
     if values["tls-port"] and not (values["tls-cert-file"] and values["tls-key-file"]):
         raise ConfigError("invalid value for 'tls-port': needs tls-cert-file and tls-key-file")
     if values["tls-port"] and values["tls-auth-clients"] != "no" and not values["tls-ca-cert-file"]:
@@ -409,7 +440,7 @@ def load_config(
                 if source == "environment":
                     continue  # foreign KVSTRATA_* variables are not ours to judge
                 raise ConfigError(f"unknown key '{name}' in {source}")
-            values[name] = _parse(opt, raw)
+            values[name] = _merge(values[name], _parse(opt, raw))
     _check(values)
     return Config(values)
 

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 pytest_plugins = ["tests.s3fixture"]
 
-NS = "xnode@bf16@c4"
-CHUNK = 4
+NS = "xnode@bf16@c16"
+CHUNK = 16
 SIZE = 64 * 1024
 
 
@@ -85,7 +85,7 @@ def test_session_prefetch_on_b_before_the_next_lease(
     then shows the request done and KV.INFO shows each chunk in DRAM, so the next KV.LEASE
     promotes nothing itself."""
     ra, rb = pair(make_server, moto_server.endpoint, s3_bucket)
-    hashes = chunk_hashes(struct.pack("<16I", *range(100, 116)), NS, CHUNK)
+    hashes = chunk_hashes(struct.pack("<64I", *range(100, 164)), NS, CHUNK)
     put_chain(ra, hashes)
     assert rb.execute_command("KV.MATCH", NS, *hashes) == 4
     assert rb.execute_command("KV.SESSION", NS, "conv-7", hashes[-1]) == b"OK"

@@ -144,16 +144,16 @@ def test_matchtokens() -> None:
 
     async def main() -> None:
         async with with_ctx() as ctx:
-            tokens = list(range(10))
-            packed = struct.pack("<10I", *tokens)
-            hashes = chunk_hashes(packed, NS.decode(), 4)
+            tokens = list(range(40))
+            packed = struct.pack("<40I", *tokens)
+            hashes = chunk_hashes(packed, NS.decode(), 16)
             assert len(hashes) == 2
             await call(ctx, "KV.PUT", NS, hashes[0], b"", b"x")
-            reply = await call(ctx, "KV.MATCHTOKENS", NS, packed, "CHUNK", "4")
-            assert reply == [4, 1, hashes]
-            with_extra = await call(ctx, "KV.MATCHTOKENS", NS, packed, "CHUNK", "4", "EXTRA", "l")
+            reply = await call(ctx, "KV.MATCHTOKENS", NS, packed, "CHUNK", "16")
+            assert reply == [16, 1, hashes]
+            with_extra = await call(ctx, "KV.MATCHTOKENS", NS, packed, "CHUNK", "16", "EXTRA", "l")
             assert with_extra[1] == 0 and with_extra[2] == chunk_hashes(
-                packed, NS.decode(), 4, [b"l"]
+                packed, NS.decode(), 16, [b"l"]
             )
             assert (await error(ctx, "KV.MATCHTOKENS", NS, b"abc")).startswith("ERR invalid tokens")
 

@@ -198,3 +198,36 @@ def test_parity_on_odd_bytes_and_long_numbers(parse) -> None:
     with pytest.raises(ProtocolError, match="invalid multibulk length"):
         wire = bytearray(b"*9999999999999999999\r\n")
         parse(wire, 0, len(wire), BIG, MAX_BULK, 1 << 62)
+
+
+ARG_PARSERS = [pytest.param(decoder.py_parse_args, id="python")]
+if decoder.c_parse_args is not None:
+    ARG_PARSERS.append(pytest.param(decoder.c_parse_args, id="c"))
+
+
+@pytest.mark.parametrize("parse_args", ARG_PARSERS)
+def test_parse_args_continues_at_every_split(parse_args) -> None:
+    """A long command parsed argument by argument (issue 12: never rescanned from its start):
+    fed in two pieces split anywhere, it yields the same arguments, a large bulk stops it,
+    and malformed input is the same protocol error."""
+    words = [b"a", b"", b"bc" * 20, b"\r\n$", b"z"]
+    wire = b"".join(b"$%d\r\n%b\r\n" % (len(w), w) for w in words)
+    for cut in range(len(wire) + 1):
+        buf = bytearray(wire[:cut])
+        args: list[bytes] = []
+        pos, state = parse_args(buf, 0, len(buf), len(words), BIG, MAX_BULK, args)
+        assert state is (True if cut == len(wire) else None)
+        buf += wire[cut:]
+        rest = len(words) - len(args)
+        pos, state = parse_args(buf, pos, len(buf), rest, BIG, MAX_BULK, args)
+        assert state is True and args == words and pos == len(wire)
+    args = []
+    pos, state = parse_args(bytearray(b"$1\r\nq\r\n$70000\r\n"), 0, 17, 3, BIG, MAX_BULK, args)
+    assert pos == 7 and tuple(state) == ([b"q"], 2, 70000, 15) and args == [b"q"]
+    for bad, message in [
+        (b"+1\r\n", "expected '$', got '+'"),
+        (b"$x\r\n", "invalid bulk length"),
+        (b"$1\r\nab\r\n", "expected CRLF after bulk data"),
+    ]:
+        with pytest.raises(ProtocolError, match=re.escape(message)):
+            parse_args(bytearray(bad), 0, len(bad), 2, BIG, MAX_BULK, [])

@@ -253,7 +253,7 @@ class _FakeTransport:
     def close(self) -> None:
         self.closed = True
 
-    def set_write_buffer_limits(self, high: int) -> None:
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         pass
 
 

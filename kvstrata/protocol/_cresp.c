@@ -182,8 +182,73 @@ fail:
     return NULL;
 }
 
+/* parse_args(buf, pos, end, n, big, max_bulk, args) -> (pos, state): up to n bulk arguments
+ * appended to the list args; state True when all n were parsed, None when more bytes are needed
+ * (the arguments parsed so far stay in args; pos is where to resume), or
+ * (args, remaining, length, data_pos) at a bulk of >= big bytes. Same contract as the Python
+ * decoder.parse_args, so a long command is continued without rescanning it. */
+static PyObject *parse_args(PyObject *self, PyObject *pyargs) {
+    Py_buffer view;
+    Py_ssize_t pos, end, n, big, max_bulk;
+    PyObject *argv;
+    if (!PyArg_ParseTuple(pyargs, "y*nnnnnO!", &view, &pos, &end, &n, &big, &max_bulk,
+                          &PyList_Type, &argv))
+        return NULL;
+    const char *base = (const char *)view.buf;
+    if (end > view.len) end = view.len;
+    const char *p = base + pos, *stop = base + end;
+    PyObject *state = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (p >= stop) break;
+        if (*p != '$') {
+            char msg[64];
+            unsigned char ch = (unsigned char)*p;
+            if (ch >= 0x20 && ch < 0x7f)
+                snprintf(msg, sizeof msg, "expected '$', got '%c'", ch);
+            else
+                snprintf(msg, sizeof msg, "expected '$', got '\\x%02x'", ch);
+            PyBuffer_Release(&view); return proto_error(msg);
+        }
+        const char *bnl = find_crlf(p, stop);
+        if (bnl == NULL) {
+            if (stop - p > MAX_HEADER) {
+                PyBuffer_Release(&view); return proto_error("too big bulk count string");
+            }
+            break;
+        }
+        long long ln;
+        if (parse_ll(p + 1, bnl, &ln) != 0 || ln < 0 || ln > max_bulk) {
+            PyBuffer_Release(&view); return proto_error("invalid bulk length");
+        }
+        const char *data = bnl + 2;
+        if (ln >= big) {
+            state = Py_BuildValue("(OLLn)", argv, (long long)(n - i), ln,
+                                  (Py_ssize_t)(data - base));
+            if (state == NULL) { PyBuffer_Release(&view); return NULL; }
+            break;
+        }
+        if (data + ln + 2 > stop) break;
+        if (data[ln] != '\r' || data[ln + 1] != '\n') {
+            PyBuffer_Release(&view); return proto_error("expected CRLF after bulk data");
+        }
+        PyObject *arg = PyBytes_FromStringAndSize(data, (Py_ssize_t)ln);
+        if (arg == NULL || PyList_Append(argv, arg) != 0) {
+            Py_XDECREF(arg); PyBuffer_Release(&view); return NULL;
+        }
+        Py_DECREF(arg);
+        p = data + ln + 2;
+        if (i == n - 1) { state = Py_True; Py_INCREF(state); }
+    }
+    if (n <= 0) { state = Py_True; Py_INCREF(state); }
+    Py_ssize_t at = p - base;
+    PyBuffer_Release(&view);
+    if (state == NULL) { state = Py_None; Py_INCREF(state); }
+    return Py_BuildValue("(nN)", at, state);
+}
+
 static PyMethodDef methods[] = {
     {"parse_requests", parse_requests, METH_VARARGS, "Scan complete RESP commands."},
+    {"parse_args", parse_args, METH_VARARGS, "Continue a command: parse up to n arguments."},
     {"set_error_class", set_error_class, METH_O, "Exception class for malformed input."},
     {NULL, NULL, 0, NULL},
 };

@@ -144,7 +144,7 @@ def _parse_args(
     return p, True
 
 
-def parse_args(
+def py_parse_args(
     buf: Buf, pos: int, end: int, n: int, big: int, max_bulk: int, args: list[Any]
 ) -> tuple[int, Any]:
     """Continue a command after a large bulk: parse its ``n`` remaining arguments.
@@ -249,9 +249,12 @@ def _load_fast() -> Any:
     except ImportError:
         return None
     _cresp.set_error_class(ProtocolError)
-    return _cresp.parse_requests
+    return _cresp
 
 
-c_parse_requests = _load_fast()
+_fast = _load_fast()
+c_parse_requests = None if _fast is None else _fast.parse_requests
+c_parse_args = None if _fast is None else _fast.parse_args
 parse_requests = c_parse_requests or py_parse_requests
+parse_args = c_parse_args or py_parse_args
 ACCELERATED = c_parse_requests is not None

@@ -261,8 +261,15 @@ class Server:
                 self.keyspace.expire_cycle()
                 if ticks % 10 == 0:
                     self._close_idle_clients()
+                    self._clients_cron()
             except Exception:
                 log.exception("periodic task failed")
+
+    def _clients_cron(self) -> None:
+        """Per-client limits that no event trips (output soft limit, payload-timeout)."""
+        now = time.monotonic()
+        for conn in list(self.clients.values()):
+            conn.cron(now)
 
     def _close_idle_clients(self) -> None:
         timeout = self.config.timeout

@@ -3,7 +3,8 @@
 The protocol callbacks never await. Synchronous handlers run inline; an ``async def`` handler
 runs as a task and the commands behind it wait (replies stay in pipeline order). Reading
 pauses while an async command runs and more than :data:`HIGH_WATER` bytes are buffered, and
-while the client does not drain its replies (``pause_writing``).
+while the client does not drain its replies (the write side, pins released by transport
+events and the limits that close a client, is in ``writeside``).
 
 Large bulk arguments (≥ :data:`BIG`) are received in place: the command's ``sink`` (see the
 registry) provides the destination — for ``KV.PUT`` an arena slot — and ``get_buffer`` hands
@@ -34,6 +35,7 @@ from kvstrata.server.admission import fmt_addr, refusal
 from kvstrata.server.context import ClientState
 from kvstrata.server.intake import Intake, WithSinks, abort_sinks
 from kvstrata.server.pins import ReplyPins, release_now
+from kvstrata.server.writeside import WriteSide
 
 if TYPE_CHECKING:
     from kvstrata.server.app import Server
@@ -52,7 +54,7 @@ _NO_SINKS: dict[int, Any] = {}
 _NOT_MONITORED = frozenset({"no_auth", "admin"})
 
 
-class Connection(asyncio.BufferedProtocol):
+class Connection(WriteSide, asyncio.BufferedProtocol):
     """Implements ``server.context.Ctx`` for the handlers."""
 
     def __init__(self, server: Server) -> None:
@@ -68,6 +70,8 @@ class Connection(asyncio.BufferedProtocol):
         self._close_after = False
         self._read_paused = False
         self._write_paused = False
+        self._unsent = False
+        self._soft_since = 0.0
         self._resp3 = False
         self._task: asyncio.Task[None] | None = None
         self._queue: deque[Any] = deque()  # plain argument lists, or WithSinks
@@ -94,7 +98,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         self.client.authenticated = not cfg.requirepass
         server.clients[self.client.id] = self
-        transport.set_write_buffer_limits(high=1024 * 1024)  # type: ignore[attr-defined]
+        self.set_write_events(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
@@ -124,14 +128,6 @@ class Connection(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool:
         return False
-
-    def pause_writing(self) -> None:
-        self._write_paused = True
-        self._update_reading()
-
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        self._process()
 
     # -- input ----------------------------------------------------------------------------
     def _process(self) -> None:
@@ -171,6 +167,8 @@ class Connection(asyncio.BufferedProtocol):
         self._in.compact()
         self._flush()
         self._update_reading()
+        if intake.yielded and not self._closing:  # a long command is parsed in slices
+            asyncio.get_running_loop().call_soon(self._process)
 
     def _authenticated(self) -> bool:
         """Authenticated, or no password is required any more (CONFIG SET requirepass "")."""
@@ -195,7 +193,7 @@ class Connection(asyncio.BufferedProtocol):
         server = self.server
         try:
             spec = server.fast_specs.get(args[0])
-        except TypeError:  # a name that arrived as a large bulk (bytearray)
+        except (TypeError, ValueError):  # a name that arrived as a large bulk (unhashable)
             spec = None
         if (
             spec is None
@@ -328,7 +326,7 @@ class Connection(asyncio.BufferedProtocol):
                 self.transport.write(b"".join(out))
             else:
                 self.transport.writelines(join_small(out))
-        self._pins.written(self.transport)
+        self._after_write()
         if self._close_after:
             self._closing = True
             self.transport.close()

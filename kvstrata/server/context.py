@@ -108,6 +108,7 @@ class ServerStats:
     total_error_replies: int = 0
     protocol_errors: int = 0
     unexpected_errors: int = 0
+    output_limit_disconnections: int = 0
 
     def reset(self) -> None:
         for name in self.__slots__:

@@ -12,13 +12,19 @@ returned exactly once, keys added meanwhile may or may not be.
 from __future__ import annotations
 
 import bisect
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvstrata.store.glob import glob_match
+from kvstrata.store.sampleset import SampleSet
+
+#: active expiry, as Redis's ``activeExpireCycle``: keys sampled per round, the share of a
+#: sample that must have expired for another round, and the time one cycle may take
+EXPIRE_SAMPLES = 20
+EXPIRE_AGAIN_RATIO = 0.10
+EXPIRE_CYCLE_SECONDS = 0.010
 
 
 class Entry(Protocol):
@@ -50,7 +56,7 @@ class Keyspace:
         self._order_seq: list[int] = []
         self._order_key: list[bytes] = []
         self._next_seq = 1
-        self._expiring: set[bytes] = set()
+        self._expiring: SampleSet[bytes] = SampleSet()
         self._on_delete: dict[str, Callable[[bytes, Entry], None]] = {}
         self.expired_keys = 0
         self.hits = 0
@@ -180,14 +186,17 @@ class Keyspace:
             self._notify(key, entry)
         return len(items)
 
-    def expire_cycle(self, samples: int = 20, rounds: int = 16) -> int:
-        """Active expiry (Redis's sampling): repeat while >25% of a sample had expired."""
+    def expire_cycle(
+        self, samples: int = EXPIRE_SAMPLES, budget: float = EXPIRE_CYCLE_SECONDS
+    ) -> int:
+        """Active expiry (Redis's sampling): sample ``samples`` keys with a TTL, delete the
+        expired ones, and go on while more than a tenth of a sample had expired and the cycle
+        has not used ``budget`` seconds. The work is bounded whatever the number of keys."""
         removed = 0
         now = self._clock()
-        for _ in range(rounds):
-            if not self._expiring:
-                break
-            sample = random.sample(sorted(self._expiring), min(samples, len(self._expiring)))
+        stop = time.perf_counter() + budget
+        while self._expiring:
+            sample = self._expiring.sample(samples)
             hit = 0
             for key in sample:
                 entry = self._data.get(key)
@@ -195,7 +204,7 @@ class Keyspace:
                     self._expire(key, entry)
                     hit += 1
             removed += hit
-            if hit * 4 <= len(sample):
+            if hit <= len(sample) * EXPIRE_AGAIN_RATIO or time.perf_counter() >= stop:
                 break
         return removed
 

@@ -37,6 +37,10 @@ def byte_view(data: Buffer) -> memoryview:
 
 
 KEY_WAIT_SECONDS = 30.0  # a writer waiting for another writer of the same key gives up (BUSY)
+#: share of the DRAM arena that payloads still arriving may reserve: a stalled upload (even of
+#: almost the arena's size) never leaves other writers without room; beyond it a payload is
+#: buffered as it arrives and copied in when its command runs
+RECEIVING_SHARE = 0.5
 _SINK_NS = "\0payload"  # never a client namespace (validated): provisional slot keys
 _sink_ids = itertools.count(1)
 
@@ -58,8 +62,10 @@ class StoreSink:
         key: ChunkKey,
         view: memoryview,
         slot_key: ChunkKey | None = None,
+        on_settled: Any = None,
     ) -> None:
         self.state = state
+        self._on_settled = on_settled  # called once when the provisional slot is bound or freed
         self.key = key
         self.view = view
         self.nbytes = view.nbytes
@@ -82,6 +88,7 @@ class StoreSink:
         if self.slot_key != meta.key:
             dram.rekey_reserved(self.slot_key, meta.key)
             self.slot_key = meta.key
+        self._settle()
         dram.commit(meta)
         return [dram.name]
 
@@ -89,10 +96,16 @@ class StoreSink:
         if self.done:
             return
         self.done = True
+        self._settle()
         if self.state.dram is not None:
             self.state.dram.abort(self.slot_key)
         if self.owns_claim:
             self.state.release_claim(self.key)
+
+    def _settle(self) -> None:
+        if self._on_settled is not None:
+            on_settled, self._on_settled = self._on_settled, None
+            on_settled(self.nbytes)
 
     def committed(self) -> None:
         self.done = True
@@ -105,14 +118,16 @@ class WritePath:
         self.state = state
         self.placement = placement
         self.gpu = gpu
+        self.receiving = 0  # bytes of provisional slots whose payload is still arriving
 
     # -- synchronous reservation for large payloads ----------------------------------------------
 
     def reserve_put(self, ns: str, hash: bytes, parent: bytes, nbytes: int) -> StoreSink | None:
         """A DRAM slot for an arriving KV.PUT payload, or None (the caller buffers it itself)
-        when there is no room now. The key is not claimed here (see StoreSink)."""
+        when there is no room now, or when payloads still arriving would hold more than
+        RECEIVING_SHARE of the arena. The key is not claimed here (see StoreSink)."""
         dram = self.state.dram
-        if dram is None or nbytes <= 0 or nbytes > dram.capacity:
+        if dram is None or nbytes <= 0 or self.receiving + nbytes > dram.capacity * RECEIVING_SHARE:
             return None
         if len(self.placement.room):  # writers wait for room: this one queues behind them
             self.placement.kick_now()
@@ -123,7 +138,11 @@ class WritePath:
         except TierError:
             self.placement.kick()
             return None
-        return StoreSink(self.state, ChunkKey(ns, hash), view, slot_key)
+        self.receiving += nbytes
+        return StoreSink(self.state, ChunkKey(ns, hash), view, slot_key, self._settled)
+
+    def _settled(self, nbytes: int) -> None:
+        self.receiving -= nbytes
 
     # -- KV.PUT ----------------------------------------------------------------------------------
 

@@ -1,9 +1,13 @@
 """KV.* commands that store, read, match and inspect chunks (leases are in ``kv_lease``).
 
 Handlers validate every argument before touching the store, so bad input gets an error reply
-and changes nothing. Trailing option words (``WITHTIERS``, ``PREFETCH``, ``CASCADE``,
-``TOKENS``, ``TTL``, ``NX``…) are matched case-insensitively; in commands that take a variable
-list of hashes (``KV.MATCH``) a hash equal to an option word must not be the last argument.
+and changes nothing. Chain commands name at most ``max-chain-chunks`` hashes; long but legal
+work runs in slices of :data:`SLICE` hashes that yield to the event loop (KV.MATCH, KV.MGET) or
+on a worker thread (the hashing of KV.MATCHTOKENS), so other clients stay served.
+
+Trailing option words (``WITHTIERS``, ``PREFETCH``, ``CASCADE``, ``TOKENS``, ``TTL``, ``NX``…)
+are matched case-insensitively; in commands that take a variable list of hashes (``KV.MATCH``)
+a hash equal to an option word must not be the last argument.
 """
 
 from __future__ import annotations
@@ -13,11 +17,20 @@ from typing import Any
 
 from kvstrata.protocol.errors import CommandError, RespError, syntax_error
 from kvstrata.protocol.frames import BulkView
+from kvstrata.server.commands._chain import (
+    SLICE,
+    THREAD_TOKENS,
+    chain_hashes,
+    check_hashes,  # noqa: F401 (re-exported for the command modules that import it from here)
+    check_token_limits,
+    hash_off_loop,
+    matched_sliced,
+    next_slice,
+)
 from kvstrata.server.commands.connection import arg_bytes, parse_int
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.keys import (
-    MAX_HASH_BYTES,
     validate_hash,
     validate_namespace,
     validate_parent,
@@ -74,17 +87,6 @@ def tokens_option(arg: Any) -> int:
 
 def _ttl(arg: Any) -> int:
     return int_option(arg, "TTL", 1, TTL_MAX)
-
-
-def check_hashes(raw: Args) -> list[bytes]:
-    """Hashes of a chain (1–64 bytes each), cheaply: no copy when they are already bytes."""
-    out = []
-    for h in raw:
-        b = h if type(h) is bytes else bytes(h)
-        if not 1 <= len(b) <= MAX_HASH_BYTES:
-            validate_hash(b)
-        out.append(b)
-    return out
 
 
 # -- KV.PUT --------------------------------------------------------------------------------------
@@ -208,12 +210,18 @@ async def _get_slow(ctx: Ctx, store: Any, ns: str, h: bytes) -> Reply:
     summary="Returns the payloads of several chunks of one namespace.",
     complexity="O(N) chunks",
     arguments=(NS, HASHES),
-    reply="Array: one bulk string or null per hash.",
+    reply="Array: one bulk string or null per hash."
+    " -ERR too many chunks when more hashes than max-chain-chunks are given.",
 )
 async def kv_mget(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
-    hashes = check_hashes(args[2:])
-    return [_reply(_count(ctx, p)) for p in await store_of(ctx).mget(ns, hashes)]
+    hashes = chain_hashes(ctx, args[2:])
+    store = store_of(ctx)
+    out: list[Reply] = []
+    for start in range(0, len(hashes), SLICE):
+        await next_slice(start)
+        out += [_reply(_count(ctx, p)) for p in await store.mget(ns, hashes[start : start + SLICE])]
+    return out
 
 
 # -- KV.MATCH / KV.MATCHTOKENS -------------------------------------------------------------------
@@ -238,7 +246,8 @@ _MATCH_WORDS = (b"WITHTIERS", b"PREFETCH")
         Arg("withtiers", "pure-token", optional=True, token="WITHTIERS"),
         Arg("prefetch", "pure-token", optional=True, token="PREFETCH"),
     ),
-    reply="Integer: number of leading chunks cached; with WITHTIERS an array [count, [tier, ...]].",
+    reply="Integer: number of leading chunks cached; with WITHTIERS an array [count, [tier, ...]]."
+    " -ERR too many chunks when more hashes than max-chain-chunks are given.",
 )
 def kv_match(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
@@ -247,12 +256,21 @@ def kv_match(ctx: Ctx, args: Args) -> Reply:
     while end > 3 and len(args[end - 1]) <= 9 and arg_bytes(args[end - 1]).upper() in _MATCH_WORDS:
         flags.add(arg_bytes(args[end - 1]).upper())
         end -= 1
-    hashes = check_hashes(args[2:end])
+    hashes = chain_hashes(ctx, args[2:end])
     store = store_of(ctx)
+    if len(hashes) > SLICE:
+        return _match_sliced(store, ns, hashes, flags)
     records = store.matched(ns, hashes)
     if store.wants_remote(len(records), len(hashes)):
         # Only now is there I/O: the connection awaits the returned coroutine.
         return _match_remote(store, ns, hashes, records, flags)
+    return _match_reply(store, ns, records, flags)
+
+
+async def _match_sliced(store: Any, ns: str, hashes: list[bytes], flags: set[bytes]) -> Reply:
+    records = await matched_sliced(store, ns, hashes)
+    if store.wants_remote(len(records), len(hashes)):
+        records = await store.match_remote(ns, hashes, records)
     return _match_reply(store, ns, records, flags)
 
 
@@ -284,7 +302,9 @@ async def _match_remote(
         Arg("chunk", "integer", optional=True, token="CHUNK"),
         Arg("extra", "string", optional=True, multiple=True, token="EXTRA"),
     ),
-    reply="Array: [matched tokens, matched chunks, [hash of every full chunk, ...]].",
+    reply="Array: [matched tokens, matched chunks, [hash of every full chunk, ...]]. -ERR too "
+    "many tokens above max-match-tokens; -ERR invalid CHUNK below min-chunk-tokens; -ERR too "
+    "many chunks when the tokens make more chunks than max-chain-chunks.",
 )
 def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
@@ -292,6 +312,7 @@ def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
     if memoryview(tokens).nbytes % 4:
         raise CommandError("invalid tokens: length must be a multiple of 4 (packed LE u32)")
     store = store_of(ctx)
+    ntokens = memoryview(tokens).nbytes // 4
     chunk = int(store.config.chunk_tokens)
     extra: list[bytes] = []
     i = 3
@@ -307,8 +328,11 @@ def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
             raise syntax_error()
         else:
             raise CommandError(f"unknown option '{word[:64].decode('utf-8', 'replace')}'")
+    check_token_limits(ctx.server.config.values, ntokens, chunk)
     from kvstrata.store.hashing import chunk_hashes
 
+    if ntokens > THREAD_TOKENS:
+        return _matchtokens_threaded(store, ns, tokens, chunk, extra)
     hashes = chunk_hashes(arg_bytes(tokens), ns, chunk, extra)
     records = store.matched(ns, hashes)
     if store.wants_remote(len(records), len(hashes)):
@@ -316,10 +340,22 @@ def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
     return [len(records) * chunk, len(records), hashes]
 
 
+async def _matchtokens_threaded(
+    store: Any, ns: str, tokens: Any, chunk: int, extra: list[bytes]
+) -> Reply:
+    """Hash on the hashing thread, then match in slices: the loop never waits on either."""
+    hashes = await hash_off_loop(tokens, ns, chunk, extra)
+    return await _matchtokens_remote(
+        store, ns, hashes, await matched_sliced(store, ns, hashes), chunk
+    )
+
+
 async def _matchtokens_remote(
     store: Any, ns: str, hashes: list[bytes], records: list[Any], chunk: int
 ) -> Reply:
-    matched = len(await store.match_remote(ns, hashes, records))
+    if store.wants_remote(len(records), len(hashes)):
+        records = await store.match_remote(ns, hashes, records)
+    matched = len(records)
     return [matched * chunk, matched, hashes]
 
 

@@ -25,7 +25,7 @@ from kvstrata.server.commands.kv import (
     HASHES,
     NS,
     PARENT,
-    check_hashes,
+    chain_hashes,
     int_option,
     parse_options,
     store_of,
@@ -85,7 +85,8 @@ def _lease_id(arg: Any) -> str:
     arguments=(NS, HASHES, TTL, TIER),
     reply="Array: [lease id or null, [[region, offset, length, instance], ...]] (null and an "
     "empty list when the first chunk is not cached); -LEASELIMIT past lease-max, "
-    "lease-max-per-client or lease-fence-max.",
+    "lease-max-per-client or lease-fence-max; -ERR too many chunks when more hashes than "
+    "max-chain-chunks are given.",
 )
 async def kv_lease(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
@@ -101,7 +102,7 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
         else:
             break
         end -= 2
-    hashes = check_hashes(args[2:end])
+    hashes = chain_hashes(ctx, args[2:end])
     lease = await store_of(ctx).lease(ns, hashes, ttl, tier, holder_of(ctx))
     if lease is None:
         return [None, []]

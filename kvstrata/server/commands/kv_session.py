@@ -23,7 +23,7 @@ from typing import Any
 from kvstrata.protocol.errors import CommandError, syntax_error
 from kvstrata.protocol.frames import OK
 from kvstrata.server.commands.connection import arg_bytes
-from kvstrata.server.commands.kv import HASH, HASHES, NS, check_hashes, int_option, store_of
+from kvstrata.server.commands.kv import HASH, HASHES, NS, chain_hashes, int_option, store_of
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.keys import validate_hash, validate_namespace
@@ -103,7 +103,8 @@ def _trailing_options(args: Args, first: int) -> tuple[int, str | None, int | No
     ),
     reply="Array: [request id, chunks queued] ([0, 0] when nothing was queued: unknown "
     "session, chunks already there, or a full queue, counted in INFO prefetch as dropped). "
-    "With CANCEL: integer 1 when a queued request was cancelled, else 0.",
+    "With CANCEL: integer 1 when a queued request was cancelled, else 0. -ERR too many chunks "
+    "when more hashes than max-chain-chunks are given.",
 )
 def kv_prefetch(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
@@ -122,7 +123,7 @@ def kv_prefetch(ctx: Ctx, args: Args) -> Reply:
         request_id, queued = store.prefetch_session(ns, session, target, deadline)
         return [request_id, queued]
     end, target, deadline = _trailing_options(args, 2)
-    hashes = check_hashes(args[2:end])
+    hashes = chain_hashes(ctx, args[2:end])
     request_id, queued = store.prefetch_request(ns, hashes, target, deadline)
     return [request_id, queued]
 

@@ -110,6 +110,7 @@ def _stats_fields(ctx: Ctx) -> Fields:
         ("total_net_input_bytes", stats.total_net_input_bytes),
         ("total_net_output_bytes", stats.total_net_output_bytes),
         ("rejected_connections", stats.rejected_connections),
+        ("client_output_buffer_limit_disconnections", stats.output_limit_disconnections),
         ("expired_keys", ks.expired_keys),
         ("evicted_keys", ctx.server.strings.evicted_keys),
         ("keyspace_hits", ks.hits),
