@@ -35,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstrata.clients import Client  # noqa: E402
-from tests.conftest import start_process_server  # noqa: E402
-from tests.engines.vllm.harness import (  # noqa: E402
+from kvstrata.clients import Client
+from tests.conftest import start_process_server
+from tests.engines.vllm.harness import (
     END,
     SpecForTier,
     chain_keys,

@@ -8,7 +8,11 @@
 #
 # Environment: PYTHON (default python3), NVME_DIR (a folder on the NVMe disk for the NVMe
 # benchmark; default TMPDIR), KVSTRATA_WHEELS (folder of carried wheels, default .whl),
-# BENCH_ARGS (extra arguments for gpu_check.py, e.g. "--chunk-mib 32 --chunks 8").
+# BENCH_ARGS (extra arguments for gpu_check.py, e.g. "--chunk-mib 32 --chunks 8"),
+# VLLM_MODEL (a local folder of a small model, e.g. Qwen3-0.6B: runs `vllm serve` with the
+# kvstrata tier and compares the second request's TTFT with the first, OUTDIR/vllm-e2e.json;
+# skipped when unset) and VLLM_PYTHON (a python with vllm 0.33, default PYTHON). That step
+# adds up to 5 minutes.
 #
 # Needs, already there on this workplace's H200 image: python3 with torch built for CUDA,
 # numpy, xxhash, pytest, pytest-timeout. Optional: kvikio (its tests and the kvikio path of the
@@ -84,7 +88,21 @@ bench_rc=0
 timeout 180 "$PY" scripts/gpu_check.py --bench --json "$OUTDIR/gpu-bench.json" \
   ${NVME_DIR:+--nvme-dir "$NVME_DIR"} ${BENCH_ARGS:-} || bench_rc=$?
 
+echo "== vLLM end to end (scripts/gpu_vllm_e2e.py)"
+vllm_rc=0
+vllm_state=skipped
+if [ -z "${VLLM_MODEL:-}" ]; then
+  echo "skipped: set VLLM_MODEL=<local folder of a small model> (and VLLM_PYTHON=<python with vllm 0.33>)"
+elif ! "${VLLM_PYTHON:-$PY}" -c 'import vllm' 2>/dev/null; then
+  echo "skipped: ${VLLM_PYTHON:-$PY} cannot import vllm (set VLLM_PYTHON)"
+else
+  timeout 300 "$PY" scripts/gpu_vllm_e2e.py --model "$VLLM_MODEL" --python "${VLLM_PYTHON:-$PY}" \
+    | tee "$OUTDIR/vllm-e2e.json" || vllm_rc=$?
+  vllm_state=$([ "$vllm_rc" = 0 ] && echo passed || echo "FAILED (status $vllm_rc)")
+fi
+
 echo "== summary ($(( $(date +%s) - started )) s)"
 echo "gpu tests: $([ "$tests_rc" = 0 ] && echo passed || echo "FAILED (status $tests_rc)")"
 echo "benchmark: $([ "$bench_rc" = 0 ] && echo done || echo "FAILED (status $bench_rc)")"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+echo "vllm e2e: $vllm_state"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$vllm_rc" = 0 ]
