@@ -6,7 +6,7 @@ rows of that CPU tier to and from one kvstrata server shared by every vLLM insta
 (zero-copy through its shared-memory arena) and, through kvstrata's S3 tier, by every host::
 
     {"type": "KvstrataTier", "module_path": "kvstrata.clients.vllm",
-     "url": "redis://127.0.0.1:7379"}          # + "password", "namespace", "load", "io_threads"
+     "url": "redis://127.0.0.1:7379"}   # + "password", "namespace", "tls", "load", "io_threads"
 
 Quirks of vLLM 0.33 this module is written around:
 
@@ -35,6 +35,7 @@ Quirks of vLLM 0.33 this module is written around:
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -72,6 +73,26 @@ class _Request:
     queued: dict[bytes, None] = field(default_factory=dict)
     in_flight: bool = False
     chain: dict[tuple[bytes, int], bytes] = field(default_factory=dict)
+
+
+def tls_settings(tls: Any) -> dict[str, Any]:
+    """The client's TLS settings from the tier's ``tls`` option: ``true`` (the system's CAs),
+    a CA file path, or ``{"ca_file", "cert_file", "key_file", "server_name", "verify"}``."""
+    opts: dict[str, Any] = {"ca_file": tls} if isinstance(tls, str) else {}
+    if isinstance(tls, dict):
+        unknown = set(tls) - {"ca_file", "cert_file", "key_file", "server_name", "verify"}
+        if unknown:
+            raise ValueError(f"KvstrataTier: unknown tls keys {sorted(unknown)}")
+        opts = tls
+    elif not isinstance(tls, bool | str):
+        raise ValueError("KvstrataTier: tls must be true, a CA file path or a dict")
+    ctx = ssl.create_default_context(cafile=opts.get("ca_file"))
+    if opts.get("cert_file"):
+        ctx.load_cert_chain(opts["cert_file"], opts.get("key_file"))
+    if opts.get("verify") is False:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return {"tls": ctx, "tls_server_name": opts.get("server_name")}
 
 
 def _configured_algo() -> str | None:
@@ -113,11 +134,6 @@ class KvstrataTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if kwargs:
             logger.warning("KvstrataTier: ignoring unknown options %s", sorted(kwargs))
-        if tls:
-            raise ValueError(
-                "KvstrataTier: tls is not supported yet (kvstrata's Python client speaks plain "
-                "TCP); reach the server over loopback or a private network"
-            )
         problem = shareable_hash_problem(_configured_algo(), None)
         if problem is not None:
             raise ValueError(f"KvstrataTier refuses this configuration: {problem}")
@@ -128,9 +144,13 @@ class KvstrataTier(SecondaryTierManager):
             g.group_id.to_bytes(4, "big"): g.tokens_per_block * config.cache.blocks_per_chunk
             for g in config.groups
         }
+        if url.startswith("rediss://"):
+            url, tls = "redis://" + url.removeprefix("rediss://"), tls or True
         settings = settings_from_url(url, timeout=timeout_s, connect_timeout=min(timeout_s, 5.0))
         if password is not None:
             settings["password"] = password
+        if tls:
+            settings.update(tls_settings(tls))
         name = f"vllm-{config.engine_id}"[:64].replace(" ", "_")
         self._mover = ChunkMover(
             lambda: Client(**settings, client_name=name), self.namespace,

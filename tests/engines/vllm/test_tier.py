@@ -222,12 +222,37 @@ def test_unshareable_hash_seed_is_refused(instances, monkeypatch, caplog) -> Non
         init_none_hash(sha256)
 
 
-def test_unknown_options_are_ignored_and_tls_is_refused(server, caplog) -> None:
+def test_unknown_options_are_ignored_bad_ones_refused(server, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="kvstrata.vllm"):
         inst = Instance(server.port, some_future_option=1)
     inst.tier.shutdown()
     assert "some_future_option" in caplog.text
     with pytest.raises(ValueError, match="tls"):
-        Instance(server.port, tls=True)
+        Instance(server.port, tls={"cafile": "x"})
     with pytest.raises(ValueError, match="scheme"):
         Instance(server.port, url="http://127.0.0.1:1")
+
+
+def test_tier_over_tls(make_process_server, tmp_path) -> None:
+    """The tier reaches a server's tls-port (``tls`` with a CA file); on the same host the
+    loads still come from the shared-memory arena."""
+    from tests.test_server_core import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    tls_port = free_port()
+    make_process_server(tls_port=tls_port, tls_cert_file=cert, tls_key_file=key)
+    a = Instance(tls_port, tls={"ca_file": str(cert), "server_name": "localhost"})
+    try:
+        keys = chain_keys(2, b"tls")
+        a.fill(range(2), seed=7)
+        assert a.wait(a.store(keys, [0, 1], ReqContext("w"))).success
+        assert a.lookup(keys, ReqContext("r")) == [HIT, HIT]
+        assert a.wait(a.load(keys, [2, 3], ReqContext("r"))).success
+        np.testing.assert_array_equal(a.buffer[2:4], a.buffer[0:2])
+    finally:
+        a.tier.shutdown()
+    b = Instance(tls_port, tls=True, timeout_s=1.0)  # the system CAs do not know this cert
+    try:
+        assert not b.wait(b.store(chain_keys(1, b"tls2"), [0], ReqContext("w"))).success
+    finally:
+        b.tier.shutdown()
