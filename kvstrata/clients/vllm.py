@@ -75,6 +75,18 @@ class _Request:
     chain: dict[tuple[bytes, int], bytes] = field(default_factory=dict)
 
 
+def client_settings(url: str, password: str | None, tls: Any, timeout_s: float) -> dict[str, Any]:
+    """Keyword arguments of :class:`Client` from the tier's options."""
+    if url.startswith("rediss://"):
+        url, tls = "redis://" + url.removeprefix("rediss://"), tls or True
+    settings = settings_from_url(url, timeout=timeout_s, connect_timeout=min(timeout_s, 5.0))
+    if password is not None:
+        settings["password"] = password
+    if tls:
+        settings.update(tls_settings(tls))
+    return settings
+
+
 def tls_settings(tls: Any) -> dict[str, Any]:
     """The client's TLS settings from the tier's ``tls`` option: ``true`` (the system's CAs),
     a CA file path, or ``{"ca_file", "cert_file", "key_file", "server_name", "verify"}``."""
@@ -144,13 +156,7 @@ class KvstrataTier(SecondaryTierManager):
             g.group_id.to_bytes(4, "big"): g.tokens_per_block * config.cache.blocks_per_chunk
             for g in config.groups
         }
-        if url.startswith("rediss://"):
-            url, tls = "redis://" + url.removeprefix("rediss://"), tls or True
-        settings = settings_from_url(url, timeout=timeout_s, connect_timeout=min(timeout_s, 5.0))
-        if password is not None:
-            settings["password"] = password
-        if tls:
-            settings.update(tls_settings(tls))
+        settings = client_settings(url, password, tls, timeout_s)
         name = f"vllm-{config.engine_id}"[:64].replace(" ", "_")
         self._mover = ChunkMover(
             lambda: Client(**settings, client_name=name), self.namespace,

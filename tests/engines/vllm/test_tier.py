@@ -256,3 +256,20 @@ def test_tier_over_tls(make_process_server, tmp_path) -> None:
         assert not b.wait(b.store(chain_keys(1, b"tls2"), [0], ReqContext("w"))).success
     finally:
         b.tier.shutdown()
+
+
+def test_which_hash_settings_can_share(monkeypatch) -> None:
+    """vLLM 0.33: sha256/sha256_cbor hash from a fixed seed (shareable); xxhash* from a random
+    one unless PYTHONHASHSEED is set (then shareable between instances that agree on it)."""
+    from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+    from kvstrata.clients.vllm_keys import shareable_hash_problem
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert shareable_hash_problem("sha256", None) is None
+    assert shareable_hash_problem("sha256_cbor", DEFAULT_NONE_HASH_SEED) is None
+    assert "PYTHONHASHSEED" in (shareable_hash_problem("xxhash", None) or "")
+    assert "PYTHONHASHSEED" in (shareable_hash_problem(None, "3f" * 32) or "")
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    assert shareable_hash_problem("xxhash_cbor", None) is None
+    assert shareable_hash_problem(None, "42") is None
