@@ -116,10 +116,11 @@ def _configured_algo() -> str | None:
     return None if config is None else str(config.cache_config.prefix_caching_hash_algo)
 
 
-def _resolved_seed() -> str | None:
-    from vllm.v1.core import kv_cache_utils
+def _resolved_seed() -> str:
+    """The seed of vLLM's block hashes (its fixed default until the engine resolves it)."""
+    from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 
-    return getattr(kv_cache_utils, "_NONE_HASH_SEED", None)
+    return str(get_none_hash_seed())
 
 
 class KvstrataTier(SecondaryTierManager):

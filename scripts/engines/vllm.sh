@@ -30,6 +30,15 @@ if [ ! -f "$MARKER" ] || [ "$(cat "$MARKER")" != "$WANT" ]; then
   echo "scripts/engines/vllm.sh: building $VENV (vLLM $VLLM_VERSION, several minutes)" >&2
   rm -rf "$VENV"
   mkdir -p "$VENV_DIR"
+  if ! python3 -c 'import ensurepip' 2>/dev/null; then  # Debian/Ubuntu ship venv apart
+    SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
+    if [ -n "$SUDO" ] && ! command -v sudo >/dev/null; then
+      echo "scripts/engines/vllm.sh: please install python3-venv (apt-get install)" >&2
+      exit 1
+    fi
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-venv >/dev/null
+  fi
   python3 -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
   # vLLM pins its own torch: a machine-wide pip constraint on torch (a local CPU wheel cap) must
