@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -152,10 +152,3 @@ def chain_keys(n: int, salt: bytes = b"", group: int = 0) -> list[OffloadKey]:
         h = hashlib.sha256(h + i.to_bytes(4, "little")).digest()
         keys.append(make_offload_key(h, group))
     return keys
-
-
-def until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)

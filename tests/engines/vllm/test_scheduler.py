@@ -39,7 +39,6 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvstrata.clients import Client
 from kvstrata.clients.vllm import KvstrataTier
-from tests.engines.vllm.harness import until
 
 BLOCK = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -207,8 +206,3 @@ def test_unshareable_hash_algo_is_refused_at_construction(server, tmp_path, monk
     config = vllm_config(tmp_path / "tiny", server.port, hash_algo="xxhash")
     with set_current_vllm_config(config), pytest.raises(ValueError, match="PYTHONHASHSEED"):
         make_scheduler(config)
-
-
-def test_until_helper_times_out() -> None:
-    with pytest.raises(AssertionError):
-        until(lambda: False, timeout=0.05)
