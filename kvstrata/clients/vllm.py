@@ -163,7 +163,12 @@ class KvstrataTier(SecondaryTierManager):
             lambda: Client(**settings, client_name=name), self.namespace,
             rows_of(primary_kv_view), load,
         )  # fmt: skip
-        self._pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvstrata_vllm")
+        # loads (a request waits on them), stores and lookups on their own threads, so a
+        # burst of stores never delays a promotion or a KV.MATCH
+        threads = max(1, io_threads)
+        self._loads = ThreadPoolExecutor(threads, thread_name_prefix="kvstrata_vllm_load")
+        self._stores = ThreadPoolExecutor(threads, thread_name_prefix="kvstrata_vllm_store")
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstrata_vllm_match")
         self._finished: deque[JobResult] = deque()
         self._jobs: dict[int, Future[None]] = {}
         self._requests: dict[str, _Request] = {}
@@ -232,7 +237,7 @@ class KvstrataTier(SecondaryTierManager):
         for key in keys:
             groups.setdefault(key[-4:], []).append(key)
         chains = [sorted(g, key=lambda k: position.get(k, 0)) for g in groups.values()]
-        future = self._pool.submit(self._match, req_id, chains)
+        future = self._lookups.submit(self._match, req_id, chains)
         self._matching.add(future)
         future.add_done_callback(self._matching.discard)
 
@@ -275,17 +280,18 @@ class KvstrataTier(SecondaryTierManager):
             if end is not None and tpc and end > tpc:
                 parent = state.chain.get((key[-4:], end - tpc), b"")
             items.append(StoreItem(bytes(key), parent, int(row), tpc))
-        self._submit(job.job_id, self._store_job, job.job_id, items)
+        self._submit(self._stores, job.job_id, self._store_job, job.job_id, items)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         job = job_metadata
         keys = [bytes(k) for k in job.keys]
         rows = [int(c) for c in job.chunk_ids]
-        self._submit(job.job_id, self._load_job, job.job_id, job.req_context.req_id, keys, rows)
+        req_id = job.req_context.req_id
+        self._submit(self._loads, job.job_id, self._load_job, job.job_id, req_id, keys, rows)
 
-    def _submit(self, job_id: int, fn: Any, *args: Any) -> None:
+    def _submit(self, pool: ThreadPoolExecutor, job_id: int, fn: Any, *args: Any) -> None:
         try:
-            self._jobs[job_id] = self._pool.submit(fn, *args)
+            self._jobs[job_id] = pool.submit(fn, *args)
         except RuntimeError as exc:  # the pool is shut down
             self._log_failure("submit", exc)
             self._finished.append(JobResult(job_id=job_id, success=False))
@@ -364,5 +370,6 @@ class KvstrataTier(SecondaryTierManager):
         for job_id, future in list(self._jobs.items()):
             if future.cancel():
                 self._finished.append(JobResult(job_id=job_id, success=False))
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._lookups, self._loads, self._stores):
+            pool.shutdown(wait=True, cancel_futures=True)
         self._mover.close()

@@ -187,6 +187,27 @@ def test_out_of_memory_is_a_job_failure(make_process_server) -> None:
         a.tier.shutdown()
 
 
+def test_a_stuck_store_delays_neither_lookups_nor_loads(instances) -> None:
+    """Stores, loads and KV.MATCH run on separate threads: while every store thread is stuck,
+    a lookup still resolves and a promotion still lands."""
+    import threading
+
+    a = instances(io_threads=1)
+    keys = chain_keys(2, b"stuck")
+    a.fill(range(2), seed=8)
+    assert a.wait(a.store(keys, [0, 1], ReqContext("w"))).success
+    gate, store = threading.Event(), a.tier._mover.store
+    a.tier._mover.store = lambda items: gate.wait(30) and store(items)
+    try:
+        stuck = a.store(chain_keys(1, b"later"), [2], ReqContext("w2"))
+        assert a.lookup(keys, ReqContext("r")) == [HIT, HIT]
+        assert a.wait(a.load(keys, [4, 5], ReqContext("r"))).success
+        assert stuck not in a.results
+    finally:
+        gate.set()
+    assert a.wait(stuck).success
+
+
 def test_each_job_is_reported_once_and_shutdown_cleans_up(instances) -> None:
     a = instances()
     ids = []
