@@ -3,8 +3,9 @@
 Loads: a ``KV.LEASE`` of the chunks in the server's shared-memory arena (``TIER dram``: the
 scheduler process copies with the CPU), then one memcpy per chunk from the leased view into
 its primary row, and ``KV.RELEASE``. Chunks the lease did not cover (a gap in the chain), or
-every chunk when the arena cannot be mapped here (server on another host), come with one
-``KV.MGET`` received in place into the primary rows. Stores: ``KV.RESERVE`` (one memcpy from the
+every chunk when the lease is refused (``-OOM``: no room to promote into the arena) or the arena
+cannot be mapped here (server on another host), come with one ``KV.MGET`` received in place
+into the primary rows. Stores: ``KV.RESERVE`` (one memcpy from the
 row into the reserved slot) and ``KV.COMMIT`` per chunk; ``KV.PUT`` of the row (sent from the row
 itself, no copy) when the arena cannot be mapped. Each load reports, per chunk, whether its row
 now holds the chunk's exact bytes; a failure raises and leaves that per-chunk record behind.
@@ -24,7 +25,7 @@ import numpy as np
 
 from kvstrata.clients.handles import RegionMapError
 from kvstrata.clients.sync import Client
-from kvstrata.protocol.errors import BusyError, CommandError
+from kvstrata.protocol.errors import BusyError, CommandError, RespError
 
 __all__ = ["ChunkMover", "LoadMode", "StoreItem", "rows_of"]
 
@@ -101,7 +102,10 @@ class ChunkMover:
         filled in as chunks land, so it is right even when this raises half-way)."""
         client = self.client()
         if self.shared_memory:
-            self._load_leased(client, hashes, row_ids, loaded)
+            try:
+                self._load_leased(client, hashes, row_ids, loaded)
+            except RespError:  # e.g. -OOM promoting into a pinned-full arena: read through
+                pass
         rest = [i for i in range(len(hashes)) if not loaded[i]]
         if rest:
             self._load_received(client, hashes, row_ids, rest, loaded)
