@@ -18,7 +18,7 @@ ROOT=$(pwd)
 VLLM_VERSION=0.33.0
 REQUIREMENTS=(
   "vllm==$VLLM_VERSION"
-  "pytest>=8" "pytest-timeout>=2.3" "redis>=5.0"
+  "pytest>=8" "pytest-timeout>=2.3" "redis>=5.0" "cryptography>=42"
   "numpy>=1.26" "uvloop>=0.19" "xxhash>=3.4"
 )
 VENV_DIR=${KVSTRATA_VENV_DIR:-$HOME/.cache/kvstrata/venvs}
