@@ -29,6 +29,7 @@
 #   5 pinning     scripts/gpu_probe.py pin: cudaHostRegister seconds per GiB (2 GiB)
 #   6 tier tests  pytest -m gpu tests/test_gpu_tier.py tests/test_store_gpu.py
 #   7 benchmark   scripts/gpu_check.py (small: 32 MiB x 8 chunks, 2 passes)
+#   8 vllm-e2e    scripts/gpu_vllm_e2e.py, only with VLLM_MODEL (see Environment)
 #
 # kvikio for CUDA 13 (torch +cu130; cupy-cuda13x, cuda-pathfinder, cuda-toolkit and
 # nvidia-cufile are on the H200 image), ~4 MiB, fetched on a machine with network into .whl
@@ -39,7 +40,10 @@
 # (CUDA 12: kvikio-cu12, libkvikio-cu12, nvidia-cufile-cu12 and cupy-cuda12x instead.)
 #
 # Environment: PYTHON (default python3), NVME_DIR (a folder on the NVMe disk; default TMPDIR),
-# KVSTRATA_WHEELS (default .whl), BENCH_ARGS (extra gpu_check.py arguments).
+# KVSTRATA_WHEELS (default .whl), BENCH_ARGS (extra gpu_check.py arguments), VLLM_MODEL (a local
+# folder of a small model, e.g. Qwen3-0.6B: step 8 runs `vllm serve` with the kvstrata tier and
+# compares the second request's TTFT with the first, JSON in OUTDIR/vllm-e2e.log; skipped when unset)
+# and VLLM_PYTHON (a python with vllm 0.33, default PYTHON). That step adds up to 5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$(pwd)
@@ -158,6 +162,18 @@ if [ "$DRY" = 0 ] && grep -q "needs CUDA" "$OUTDIR"/ipc-tests.log "$OUTDIR"/tier
   FAILED=1
 fi
 
+
+# optional: vllm serve with the kvstrata tier (only with VLLM_MODEL and a python that has vllm)
+if [ -z "${VLLM_MODEL:-}" ]; then
+  SUMMARY+=("vllm-e2e: skipped (set VLLM_MODEL=<local folder of a small model> and VLLM_PYTHON=<python with vllm 0.33>)")
+elif [ "$DRY" = 1 ]; then
+  SUMMARY+=("vllm-e2e: skipped in a dry run")
+elif ! "${VLLM_PYTHON:-$PY}" -c 'import vllm' 2>/dev/null; then
+  SUMMARY+=("vllm-e2e: skipped (${VLLM_PYTHON:-$PY} cannot import vllm; set VLLM_PYTHON)")
+else
+  step vllm-e2e 300 "$PY" scripts/gpu_vllm_e2e.py --model "$VLLM_MODEL" \
+    --python "${VLLM_PYTHON:-$PY}"
+fi
 echo
 echo "== summary ($(( $(date +%s) - started )) s$([ "$DRY" = 1 ] && echo ', dry run'))"
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUTDIR/summary.txt"

@@ -2,7 +2,8 @@
 # Installs what the tests need and runs every check: Debian's redis-server/redis-tools (real
 # redis-cli, redis-benchmark and a redis-server to compare with) and docker-compose (to validate
 # docker-compose.yml), kvstrata with its test extras (CPU torch from the pinned wheel), then
-# ruff, mypy, the compose file check and pytest. Extra arguments go to pytest.
+# ruff, mypy, the compose file check and pytest (extra arguments go to it), then each engine's
+# integration tests in that engine's own venv (scripts/engines/*.sh; built once, then reused).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,3 +28,4 @@ python3 -m ruff check kvstrata tests bench
 python3 -m mypy
 docker-compose -f docker-compose.yml config -q
 python3 -m pytest -q -p no:cacheprovider "$@"
+scripts/engines/vllm.sh

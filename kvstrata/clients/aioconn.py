@@ -166,10 +166,13 @@ async def open_connection(settings: ConnectionSettings | None = None) -> AsyncCo
     s = settings or ConnectionSettings()
     loop = asyncio.get_running_loop()
     factory = lambda: _ReplyProtocol(s.big_bulk)  # noqa: E731
+    server_name = (s.tls_server_name or s.host) if s.tls is not None else None
     connect = (
         loop.create_unix_connection(factory, s.path)
         if s.path
-        else loop.create_connection(factory, s.host, s.port)
+        else loop.create_connection(
+            factory, s.host, s.port, ssl=s.tls, server_hostname=server_name
+        )
     )
     _, proto = await asyncio.wait_for(connect, s.connect_timeout)
     conn = AsyncConnection(s, proto)

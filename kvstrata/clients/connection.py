@@ -14,6 +14,7 @@ itself and raises :class:`ConnectionClosedError`; a pool drops closed connection
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -56,6 +57,9 @@ class ConnectionSettings:
     timeout: float | None = None  # per blocking operation, seconds
     connect_timeout: float | None = 10.0
     big_bulk: int = BIG_BULK
+    #: TLS to the server's ``tls-port`` (sync and async clients); None: plain TCP
+    tls: ssl.SSLContext | None = None
+    tls_server_name: str | None = None  # for certificate checks; default: host
 
 
 def handshake_commands(s: ConnectionSettings) -> list[list[Any]]:
@@ -130,6 +134,12 @@ class SyncConnection:
         else:
             sock = socket.create_connection((s.host, s.port), timeout=s.connect_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if s.tls is not None:
+                try:
+                    sock = s.tls.wrap_socket(sock, server_hostname=s.tls_server_name or s.host)
+                except BaseException:
+                    sock.close()
+                    raise
         sock.settimeout(s.timeout)
         return sock
 
@@ -182,6 +192,10 @@ class SyncConnection:
 
     def _sendall(self, buffers: list[Any]) -> None:
         bufs = [b if isinstance(b, bytes) else memoryview(b).cast("B") for b in buffers]
+        if isinstance(self._sock, ssl.SSLSocket):  # no sendmsg over TLS: one buffer at a time
+            for buf in bufs:
+                self._sock.sendall(buf)
+            return
         i = 0
         while i < len(bufs):
             sent = self._sock.sendmsg(bufs[i : i + _IOV_MAX])
