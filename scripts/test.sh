@@ -27,3 +27,5 @@ python3 -m ruff check kvstrata tests bench
 python3 -m mypy
 docker-compose -f docker-compose.yml config -q
 python3 -m pytest -q -p no:cacheprovider "$@"
+scripts/engines/sglang.sh
+scripts/engines/lmcache.sh
