@@ -11,9 +11,10 @@ backend factory::
 One HiCache page is one kvstrata chunk, stored under ``SHA-256(page key)`` in a namespace made
 of the model, the rank layout (TP rank and size, or ``mla`` when the KV is replicated across TP
 ranks; PP/CP/DCP ranks when used) and, once SGLang registers its host pool, the KV dtype, page
-size and pool layout. ``batch_exists`` is one ``KV.MATCH`` (the length of the present prefix is
-exactly HiCache's question); consecutive pages are stored with their parent link so kvstrata's
-prefix-aware eviction keeps chains whole.
+size, layer count and pool layout (a page stored under another geometry is never matched).
+``batch_exists`` is one ``KV.MATCH`` (the length of the present prefix is exactly HiCache's
+question); consecutive pages are stored with their parent link so kvstrata's prefix-aware
+eviction keeps chains whole.
 
 Quirks of SGLang 0.5.23 this module follows:
 
@@ -124,7 +125,9 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         dtype = str(mem_pool_host.dtype).removeprefix("torch.")
         layout = getattr(mem_pool_host, "layout", None)
-        self.namespace = namespace_of([*self._parts, dtype, f"p{mem_pool_host.page_size}", layout])
+        layers = getattr(mem_pool_host, "layer_num", None)
+        page = f"p{mem_pool_host.page_size}"
+        self.namespace = namespace_of([*self._parts, dtype, page, layers and f"l{layers}", layout])
 
     def _hashes(self, keys: Sequence[str]) -> list[bytes]:
         return [key_hash(k) for k in keys]

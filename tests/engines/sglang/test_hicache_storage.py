@@ -82,7 +82,7 @@ def fill(pool: PageFirstHostPool) -> None:
 def test_factory_loads_the_backend_with_a_namespace_of_the_layout(build: Build) -> None:
     backend, _ = build()
     assert type(backend) is KvstrataHiCacheStorage
-    want = "sglang@meta-llama-Llama-3.1-8B-Instruct@tp2r0@bfloat16@p4@page_first"
+    want = "sglang@meta-llama-Llama-3.1-8B-Instruct@tp2r0@bfloat16@p4@l3@page_first"
     assert backend.namespace == want
     other, _ = build(tp_rank=1)
     assert other.namespace.replace("tp2r1", "tp2r0") == backend.namespace
