@@ -185,3 +185,13 @@ def test_plugin_without_url_is_refused(stacks: MakeStack, kv: RunningServer) -> 
     extra = plugin_extra("")
     s = stacks(extra=extra)
     assert s.backend.connection is None  # LMCache logs the connector's ValueError
+
+
+def test_plugin_server_down_is_a_miss(stacks: MakeStack, kv: RunningServer) -> None:
+    s = plugin_stack(stacks, kv)
+    key = s.key(30)
+    s.put([key], [s.chunk()])
+    kv.stop()
+    assert not s.backend.contains(key)  # LMCache turns the connector's error into a miss
+    assert s.backend.batched_contains([key]) == 0
+    assert s.backend.get_blocking(key) is None
