@@ -206,14 +206,15 @@ class KvstrataConnector(RemoteConnector):
         """Memory objects of the chunks (None for a miss): leased prefix, then one MGET."""
         out: list[Any] = []
         if self.zero_copy:
-            try:
-                lease = self.client.lease(ns, hashes, tier="dram")
-            except RegionMapError:
-                self.zero_copy = False  # the server is on another host
-            else:
-                if lease is not None:
-                    with lease:
-                        out = [self._restore(a) for a in lease.arrays()]
+            lease = self.client.lease(ns, hashes, tier="dram")
+            if lease is not None:
+                with lease:
+                    try:
+                        chunks = lease.arrays()
+                    except RegionMapError:
+                        self.zero_copy = False  # the server is on another host
+                    else:
+                        out = [self._restore(a) for a in chunks]
         if len(out) < len(hashes):
             payloads = self.client.mget(ns, hashes[len(out) :])
             out += [
@@ -282,15 +283,16 @@ class KvstrataConnector(RemoteConnector):
             except CommandError as e:
                 if "already exists" not in str(e):
                     raise
-            except RegionMapError:
-                self.zero_copy = False
-                self._write_tcp(ns, hashes[i:], parent, objs[i:])
-                return
             else:
-                with slot:
-                    view = slot.array()
-                    view[: len(head)] = np.frombuffer(head, np.uint8)
-                    view[len(head) :] = body
+                try:
+                    with slot:  # aborted if the slot cannot be mapped
+                        view = slot.array()
+                        view[: len(head)] = np.frombuffer(head, np.uint8)
+                        view[len(head) :] = body
+                except RegionMapError:
+                    self.zero_copy = False  # the server is on another host
+                    self._write_tcp(ns, hashes[i:], parent, objs[i:])
+                    return
             parent = h
 
     def _write_tcp(

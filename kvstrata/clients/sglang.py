@@ -270,15 +270,16 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     def _load(self, hashes: list[bytes], pages: list[list[np.ndarray]]) -> int:
         if self.zero_copy:
-            try:
-                lease = self.client.lease(self.namespace, hashes, ttl_ms=None, tier="dram")
-            except RegionMapError:
-                self.zero_copy = False  # the server is on another host: bytes over TCP
-            else:
-                if lease is None:
-                    return 0
-                with lease:
-                    return _scatter(lease.arrays(), pages)
+            lease = self.client.lease(self.namespace, hashes, tier="dram")
+            if lease is None:
+                return 0
+            with lease:
+                try:
+                    chunks = lease.arrays()
+                except RegionMapError:
+                    self.zero_copy = False  # the server is on another host: bytes over TCP
+                else:
+                    return _scatter(chunks, pages)
         payloads = self.client.mget(self.namespace, hashes)
         present = []
         for p in payloads:
@@ -322,16 +323,17 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 if "already exists" not in str(e):
                     self._failed("batch_set_v1", e)
                 ok.append("already exists" in str(e))
-            except RegionMapError:
-                self.zero_copy = False
-                rest = [np.concatenate(p) for p in pages[i:]]
-                return ok + self._put_chain(hashes[i:], parent, rest)
             except _IO_ERRORS as e:
                 self._failed("batch_set_v1", e)
                 return ok + [False] * (len(hashes) - i)
             else:
-                with slot:
-                    _gather(bufs, slot.array())
+                try:
+                    with slot:  # aborted if the slot cannot be mapped
+                        _gather(bufs, slot.array())
+                except RegionMapError:
+                    self.zero_copy = False  # the server is on another host: bytes over TCP
+                    rest = [np.concatenate(p) for p in pages[i:]]
+                    return ok + self._put_chain(hashes[i:], parent, rest)
                 ok.append(True)
             parent = h
         return ok

@@ -195,3 +195,28 @@ def test_plugin_server_down_is_a_miss(stacks: MakeStack, kv: RunningServer) -> N
     assert not s.backend.contains(key)  # LMCache turns the connector's error into a miss
     assert s.backend.batched_contains([key]) == 0
     assert s.backend.get_blocking(key) is None
+
+
+def test_plugin_with_a_server_on_another_host_falls_back_to_tcp(
+    stacks: MakeStack, kv: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arena cannot be mapped (the server runs elsewhere): chunks still move, over TCP."""
+    from kvstrata.clients import handles
+
+    def unmappable(region: Any) -> memoryview:
+        raise handles.RegionMapError(f"{region.name}: not on this host")
+
+    s = plugin_stack(stacks, kv)
+    monkeypatch.setattr(handles, "map_shm", unmappable)
+    conn = s.backend.connection._connector  # type: ignore[union-attr]
+    keys = [s.key(h) for h in (40, 41)]
+    objs = [s.chunk(seed=i) for i in range(2)]
+    data = copies(s, objs)
+    s.put(keys, objs)
+    assert conn.zero_copy is False
+    conn.zero_copy = True  # the read side finds out on its own
+    got = s.backend.batched_get_blocking(keys)
+    for g, d in zip(got, data, strict=True):
+        assert g is not None and torch.equal(g.tensor, d)
+        g.ref_count_down()
+    assert conn.zero_copy is False

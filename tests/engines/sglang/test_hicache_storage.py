@@ -231,3 +231,25 @@ def test_missing_url_is_a_clear_error() -> None:
     cfg = storage_config("")
     with pytest.raises(ValueError, match='needs "url"'):
         StorageBackendFactory.create_backend("dynamic", cfg, None)
+
+
+def test_a_server_on_another_host_falls_back_to_tcp(
+    build: Build, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arena cannot be mapped (the server runs elsewhere): pages still move, over TCP."""
+    from kvstrata.clients import handles
+
+    def unmappable(region: Any) -> memoryview:
+        raise handles.RegionMapError(f"{region.name}: not on this host")
+
+    backend, pool = build()
+    fill(pool)
+    monkeypatch.setattr(handles, "map_shm", unmappable)
+    keys = page_keys(3, "remote")
+    assert backend.batch_set_v1(keys, pool.page_indices(0, 3)) == [True] * 3
+    assert backend.zero_copy is False
+    backend.zero_copy = True  # the read side finds out on its own
+    expect = pool.kv_buffer[:, : 3 * pool.page_size].clone()
+    assert backend.batch_get_v1(keys, pool.page_indices(4, 3)) == [True] * 3
+    assert torch.equal(pool.kv_buffer[:, 4 * pool.page_size : 7 * pool.page_size], expect)
+    assert backend.zero_copy is False and backend.get_stats().errors == 0
