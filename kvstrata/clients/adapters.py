@@ -12,14 +12,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvstrata.store.keys import MAX_NAMESPACE_BYTES
 
-__all__ = ["key_hash", "namespace_of", "pointer_array"]
+__all__ = ["gather", "key_hash", "namespace_of", "pointer_array", "scatter"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@/+=,#%~^-]")
 
@@ -47,3 +47,25 @@ def pointer_array(ptr: int, nbytes: int) -> np.ndarray:
     if ptr <= 0 or nbytes < 0:
         raise ValueError(f"invalid host buffer ({ptr:#x}, {nbytes})")
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+def scatter(chunks: Sequence[np.ndarray], pages: list[list[np.ndarray]]) -> int:
+    """Copy each chunk into its page's buffers; stops at the first chunk of the wrong size.
+    Returns how many pages were filled."""
+    for i, chunk in enumerate(chunks):
+        bufs = pages[i]
+        if chunk.nbytes != sum(b.nbytes for b in bufs):
+            return i
+        at = 0
+        for b in bufs:
+            b[:] = chunk[at : at + b.nbytes]
+            at += b.nbytes
+    return len(chunks)
+
+
+def gather(bufs: list[np.ndarray], dst: np.ndarray) -> None:
+    """Copy ``bufs`` back to back into ``dst``."""
+    at = 0
+    for b in bufs:
+        dst[at : at + b.nbytes] = b
+        at += b.nbytes

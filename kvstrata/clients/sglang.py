@@ -54,7 +54,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from kvstrata.clients.adapters import key_hash, namespace_of, pointer_array
+from kvstrata.clients.adapters import gather, key_hash, namespace_of, pointer_array, scatter
 from kvstrata.clients.handles import RegionMapError
 from kvstrata.clients.resp import BufferTooSmall
 from kvstrata.clients.sync import Client
@@ -279,14 +279,14 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 except RegionMapError:
                     self.zero_copy = False  # the server is on another host: bytes over TCP
                 else:
-                    return _scatter(chunks, pages)
+                    return scatter(chunks, pages)
         payloads = self.client.mget(self.namespace, hashes)
         present = []
         for p in payloads:
             if p is None:
                 break
             present.append(np.frombuffer(p, np.uint8))
-        return _scatter(present, pages)
+        return scatter(present, pages)
 
     def batch_set_v1(
         self,
@@ -329,7 +329,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             else:
                 try:
                     with slot:  # aborted if the slot cannot be mapped
-                        _gather(bufs, slot.array())
+                        gather(bufs, slot.array())
                 except RegionMapError:
                     self.zero_copy = False  # the server is on another host: bytes over TCP
                     rest = [np.concatenate(p) for p in pages[i:]]
@@ -372,27 +372,6 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         self.client.close()
-
-
-def _scatter(chunks: Sequence[np.ndarray], pages: list[list[np.ndarray]]) -> int:
-    """Copy each chunk into its page's buffers; stops at the first chunk of the wrong size.
-    Returns how many pages were filled."""
-    for i, chunk in enumerate(chunks):
-        bufs = pages[i]
-        if chunk.nbytes != sum(b.nbytes for b in bufs):
-            return i
-        at = 0
-        for b in bufs:
-            b[:] = chunk[at : at + b.nbytes]
-            at += b.nbytes
-    return len(chunks)
-
-
-def _gather(bufs: list[np.ndarray], dst: np.ndarray) -> None:
-    at = 0
-    for b in bufs:
-        dst[at : at + b.nbytes] = b
-        at += b.nbytes
 
 
 def _as_bytes(value: Any) -> Any:
