@@ -29,9 +29,11 @@ class GatedServer:
     def __init__(self, data_dir: Path, monkeypatch: pytest.MonkeyPatch, **flags: str) -> None:
         self.gate = threading.Event()
         self.touching = threading.Event()
+        self.arenas: set[str] = set()  # shared-memory names of the arenas being pre-touched
         original = DramTier._touch_range
 
         def slow_touch(tier: DramTier, start: int, end: int) -> None:
+            self.arenas.add(tier._shm.name)
             self.touching.set()
             assert self.gate.wait(30), "test never opened the gate"
             original(tier, start, end)
@@ -121,7 +123,7 @@ def test_ping_info_auth_hello_answer_while_the_arena_is_pretouched(gated: GatedS
 
 def test_shutdown_while_loading_stops_and_removes_the_arena(gated: GatedServer) -> None:
     assert gated.touching.wait(30)
-    arenas = [n for n in os.listdir("/dev/shm") if n.startswith(f"kvstrata-{os.getpid()}-")]
+    arenas = [n for n in os.listdir("/dev/shm") if n in gated.arenas]
     assert arenas, "the arena exists while it is being pre-touched"
     with socket.create_connection(("127.0.0.1", gated.port)) as sock:
         sock.sendall(b"SHUTDOWN NOSAVE\r\n")
