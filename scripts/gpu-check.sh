@@ -165,7 +165,8 @@ fi
 
 # optional: vllm serve with the kvstrata tier (only with VLLM_MODEL and a python that has vllm)
 if [ -z "${VLLM_MODEL:-}" ]; then
-  SUMMARY+=("vllm-e2e: skipped (set VLLM_MODEL=<local folder of a small model> and VLLM_PYTHON=<python with vllm 0.33>)")
+  echo
+  echo "== vllm-e2e not run: set VLLM_MODEL=<local folder of a small model> (and VLLM_PYTHON)"
 elif [ "$DRY" = 1 ]; then
   SUMMARY+=("vllm-e2e: skipped in a dry run")
 elif ! "${VLLM_PYTHON:-$PY}" -c 'import vllm' 2>/dev/null; then

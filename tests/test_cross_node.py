@@ -130,7 +130,7 @@ def test_session_recorded_on_a_is_prefetched_in_full_on_b_and_c(
     ra, rb = pair(make_server, moto_server.endpoint, s3_bucket)
     rc = client(make_server(s3_endpoint=moto_server.endpoint, s3_bucket=s3_bucket,
                             dram_capacity="8MiB", nvme_capacity="16MiB"))  # fmt: skip
-    hashes = chunk_hashes(struct.pack("<16I", *range(300, 316)), NS, CHUNK)
+    hashes = chunk_hashes(struct.pack("<64I", *range(300, 364)), NS, CHUNK)
     put_chain(ra, hashes)
     assert ra.execute_command("KV.SESSION", NS, "turns", hashes[-1]) == b"OK"
     deadline = time.monotonic() + 20
