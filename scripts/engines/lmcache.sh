@@ -8,15 +8,13 @@
 #
 #   ${KVSTRATA_VENV_DIR:-~/.cache/kvstrata/venvs}/lmcache-0.5.6
 #
-# A marker file holding the requirement list is written only after a successful install, so a
-# half-built venv or a changed list is rebuilt. kvstrata itself is NOT installed there: the tests
-# import this checkout through PYTHONPATH. redis-server must be on PATH (scripts/test.sh installs
+# The venv is built and reused as scripts/engines/_venv.sh says. redis-server must be on PATH (scripts/test.sh installs
 # it) for the RedisConnector peer.
 #
 #   scripts/engines/lmcache.sh [--install-only] [pytest arguments...]
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-ROOT=$(pwd)
+# shellcheck source=scripts/engines/_venv.sh
+source "$(dirname "$0")/_venv.sh"
 
 LMCACHE_VERSION=0.5.6
 TORCH="torch==2.13.0"  # the CPU wheel scripts/test.sh installs; installed first, then held
@@ -25,26 +23,13 @@ LIGHT=(
   aiofile msgspec pyzmq "transformers>=5.4" cryptography "numpy>=1.26,<=2.2.6"
   "pytest>=8" "pytest-timeout>=2.3" "redis>=5.0" "uvloop>=0.19" "xxhash>=3.4"
 )
-VENV_DIR=${KVSTRATA_VENV_DIR:-$HOME/.cache/kvstrata/venvs}
 VENV="$VENV_DIR/lmcache-$LMCACHE_VERSION"
-MARKER="$VENV/.kvstrata-installed"
 WANT=$(printf '%s\n' "$TORCH" "${LIGHT[@]}" "lmcache==$LMCACHE_VERSION --no-deps")
 
-if [ ! -f "$MARKER" ] || [ "$(cat "$MARKER")" != "$WANT" ]; then
-  echo "scripts/engines/lmcache.sh: building $VENV (LMCache $LMCACHE_VERSION, CPU)" >&2
-  rm -rf "$VENV"
-  mkdir -p "$VENV_DIR"
-  python3 -m venv "$VENV"
-  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-  "${PIP[@]}" "$TORCH"
-  echo "$TORCH" >"$VENV/torch-pin.txt"
-  "${PIP[@]}" -c "$VENV/torch-pin.txt" "${LIGHT[@]}"
-  "${PIP[@]}" --no-deps "lmcache==$LMCACHE_VERSION"
-  printf '%s\n' "$WANT" >"$MARKER"
+if ! venv_current "$VENV" "$WANT"; then
+  venv_fresh "$VENV"
+  install_over_cpu_torch "$VENV" "$TORCH" "lmcache==$LMCACHE_VERSION" "${LIGHT[@]}"
+  venv_built "$VENV" "$WANT"
 fi
 
-if [ "${1:-}" = "--install-only" ]; then
-  exit 0
-fi
-KVSTRATA_ENGINE_TESTS=1 PYTHONPATH="$ROOT" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/engines/lmcache "$@"
+run_engine_tests "$VENV" lmcache "$@"
