@@ -22,6 +22,7 @@ from kvstrata.config import Config
 from kvstrata.server.connection import Connection
 from kvstrata.server.context import ClientState, ServerStats
 from kvstrata.server.registry import load_all
+from kvstrata.sim.trace import TraceRecorder
 from kvstrata.store.keyspace import Keyspace
 
 log = logging.getLogger("kvstrata.server")
@@ -51,12 +52,16 @@ class Server:
         self._shutdown = asyncio.Event()
         self._ready = asyncio.Event()
         self._cron: asyncio.Task[None] | None = None
+        #: ``trace-file``: the KV command recorder (kvstrata.sim.trace), None when off
+        self.tracer: TraceRecorder | None = None
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
         """Build the store, open the listeners and start periodic work."""
         _ensure_data_dir(self.config.data_dir)
         self.store = await _build_store(self.config, self.keyspace)
+        if self.config.values.get("trace-file"):
+            self.tracer = TraceRecorder(self.config.values["trace-file"])
         loop = asyncio.get_running_loop()
         hosts = [h.lstrip("-") for h in self.config.binds]
         hosts = [None if h == "*" else h for h in hosts]  # type: ignore[misc]
@@ -122,6 +127,8 @@ class Server:
                 await asyncio.wait_for(srv.wait_closed(), 1.0)
         if self.store is not None:
             await self.store.close()
+        if self.tracer is not None:
+            self.tracer.close()
         log.info("kvstrata stopped")
 
     async def wait_ready(self) -> None:

@@ -378,6 +378,7 @@ class KVStore:
             ("kv_leases", len(self.state.leases)),
             ("kv_leases_expired", self.state.leases.expired),
             ("kv_store_errors", self.state.errors),
+            ("kv_moves_in_flight", len(self.state.moves)),
         ]
         persistence: list[tuple[str, object]] = [
             (f"rebuild_{k}", round(v, 3) if isinstance(v, float) else v)

@@ -8,7 +8,7 @@ list of hashes (``KV.MATCH``) a hash equal to an option word must not be the las
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstrata.protocol.errors import CommandError, RespError, syntax_error
@@ -37,6 +37,13 @@ def store_of(ctx: Ctx) -> Any:
     if store is None:
         raise CommandError("the KV store is not available on this server")
     return store
+
+
+def trace(ctx: Ctx, op: str, ns: str, hashes: Sequence[bytes], **kw: Any) -> None:
+    """Record the command for ``kvstrata simulate`` when ``trace-file`` is set."""
+    tracer = ctx.server.tracer
+    if tracer is not None:
+        tracer.record(op, ns, hashes, **kw)
 
 
 def int_option(arg: Any, what: str, lo: int, hi: int) -> int:
@@ -145,6 +152,8 @@ def kv_put(ctx: Ctx, args: Args) -> Reply:
     if not memoryview(payload).nbytes:
         raise CommandError("invalid payload: empty")
     tokens, ttl = opts.get(b"TOKENS", 0), opts.get(b"TTL")
+    size = memoryview(payload).nbytes
+    trace(ctx, "put", ns, [h], parent=parent, size=size, tokens=tokens)
     if sink is not None:  # the payload is already in its arena slot: usually nothing to await
         done = store.put_sink_now(ns, h, parent, tokens, ttl, sink)
         if done is not NOT_NOW:
@@ -179,6 +188,7 @@ def kv_get(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     h = validate_hash(args[2])
     store = store_of(ctx)
+    trace(ctx, "get", ns, [h])
     payload = store.get_now(ns, h)
     if payload is NOT_NOW:
         return _get_slow(store, ns, h)  # a coroutine: the connection awaits it, in order
@@ -202,6 +212,7 @@ async def _get_slow(store: Any, ns: str, h: bytes) -> Reply:
 async def kv_mget(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     hashes = check_hashes(args[2:])
+    trace(ctx, "get", ns, hashes)
     return [_reply(p) for p in await store_of(ctx).mget(ns, hashes)]
 
 
@@ -238,6 +249,7 @@ def kv_match(ctx: Ctx, args: Args) -> Reply:
         end -= 1
     hashes = check_hashes(args[2:end])
     store = store_of(ctx)
+    trace(ctx, "match", ns, hashes, prefetch=b"PREFETCH" in flags)
     records = store.matched(ns, hashes)
     if store.wants_remote(len(records), len(hashes)):
         # Only now is there I/O: the connection awaits the returned coroutine.
