@@ -6,7 +6,7 @@ One JSON object per line, one line per KV command, payloads never recorded::
      "tokens": 256}
     {"t": 0.0140, "op": "match", "ns": "llama", "hashes": ["9f…", "1c…"], "prefetch": false}
     {"t": 0.0141, "op": "get", "ns": "llama", "hash": "9f…"}
-    {"t": 0.0150, "op": "lease", "ns": "llama", "hashes": ["9f…"], "tier": null}
+    {"t": 0.0150, "op": "lease", "ns": "llama", "hashes": ["9f…"], "to": null}
     {"t": 0.0152, "op": "session", "ns": "llama", "session": "user-1", "hash": "1c…"}
     {"t": 30.02, "op": "prefetch", "ns": "llama", "session": "user-1", "to": null}
     {"t": 30.03, "op": "prefetch", "ns": "llama", "hashes": ["9f…"], "to": "dram"}
@@ -115,7 +115,7 @@ def event_dict(ev: Event) -> dict[str, Any]:
     if ev.session is not None:
         out["session"] = ev.session.decode("utf-8", "backslashreplace")
     if ev.op in ("lease", "prefetch"):
-        out["to" if ev.op == "prefetch" else "tier"] = ev.to
+        out["to"] = ev.to
     if ev.op == "match":
         out["prefetch"] = ev.prefetch
         if ev.tokens:
