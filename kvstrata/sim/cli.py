@@ -146,6 +146,10 @@ def _plan(args: argparse.Namespace, **sizes: int | None) -> Plan:
     )
 
 
+def _pct(ratio: float | None, width: int) -> str:
+    return f"{'-':>{width}}" if ratio is None else f"{100 * ratio:>{width}.1f}"
+
+
 def table(rep: dict[str, Any]) -> str:
     """The report of one run as text."""
     lines = [
@@ -158,7 +162,7 @@ def table(rep: dict[str, Any]) -> str:
     for name, t in rep["tiers"].items():
         cap = format_size(int(t["capacity"])) if t["capacity"] else "unbounded"
         lines.append(
-            f"{name:<6}{cap:>12}{100 * t['hit_ratio']:>8.1f}{t['hits']:>10}{t['misses']:>10}"
+            f"{name:<6}{cap:>12}{_pct(t['hit_ratio'], 8)}{t['hits']:>10}{t['misses']:>10}"
             f"{t['promotions']:>10}{t['demotions']:>10}{t['evictions']:>10}"
             f"{t['bytes_in'] / 1e9:>10.1f}{t['bytes_out'] / 1e9:>10.1f}"
         )
@@ -187,7 +191,7 @@ def sweep_table(tier: str, rows: list[tuple[int, dict[str, Any]]]) -> str:
     for size, rep in rows:
         out.append(
             f"{format_size(size):>12}{100 * rep['token_hit_ratio']:>12.1f}"
-            + "".join(f"{100 * t['hit_ratio']:>11.1f}" for t in rep["tiers"].values())
+            + "".join(_pct(t["hit_ratio"], 11) for t in rep["tiers"].values())
             + f"{rep['ttft']['p50'] * 1e3:>13.1f}{rep['ttft']['p99'] * 1e3:>13.1f}"
             f"{rep['gpu_seconds']['saved']:>13.1f}"
         )
@@ -221,7 +225,8 @@ def plot(tier: str, rows: list[tuple[int, dict[str, Any]]], path: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(xs, [100 * r["token_hit_ratio"] for _, r in rows], "o-", label="tokens from cache")
     for name in rows[0][1]["tiers"]:
-        a.plot(xs, [100 * r["tiers"][name]["hit_ratio"] for _, r in rows], ".--", label=name)
+        ys = [r["tiers"][name]["hit_ratio"] for _, r in rows]
+        a.plot(xs, [math.nan if y is None else 100 * y for y in ys], ".--", label=name)
     a.set(xscale="log", xlabel=f"{tier} GiB", ylabel="hit ratio %")
     a.legend()
     b.plot(xs, [r["ttft"]["p50"] * 1e3 for _, r in rows], "o-", label="TTFT p50")

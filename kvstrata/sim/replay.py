@@ -98,7 +98,8 @@ class Ticking:
 
     def session(self, ns: str, sid: bytes, tail: bytes) -> object:
         self.sim.tick(self.t)
-        return self.sim.session(ns, sid, tail)
+        self.sim.session(ns, sid, tail)
+        return None
 
     def prefetch_session(self, ns: str, sid: bytes) -> object:
         self.sim.tick(self.t)
@@ -139,13 +140,12 @@ def _ttft(req: MatchResult, plan: Plan, model: Model, hw: Hardware) -> tuple[flo
 def report(sim: Simulator, plan: Plan, wall: float, chunk_ops: int) -> dict:
     """The run's figures as one JSON-ready dict (``tiers`` keyed like KV.STATS)."""
     assert plan.model is not None and plan.hardware is not None
-    tiers = {}
+    tiers: dict[str, dict[str, float | None]] = {}
     for t in sim.tiers:
         c: dict[str, float] = dict(t.counters.as_dict())
         looked = c["hits"] + c["misses"]
         c.update(capacity=t.capacity, used=t.used, chunks=sim.index.count_in.get(t.name, 0))
-        c["hit_ratio"] = round(c["hits"] / looked, 4) if looked else 0.0
-        tiers[t.name] = c
+        tiers[t.name] = {**c, "hit_ratio": round(c["hits"] / looked, 4) if looked else None}
     with_cache, without, cached, total = [], [], 0, 0
     for req in sim.requests:
         a, b, n = _ttft(req, plan, plan.model, plan.hardware)
