@@ -45,6 +45,7 @@ class FakeServer:
         self.run_id = "ab" * 20
         self.port = 7379
         self.shutdown_requested = False
+        self.tracer: Any = None  # serve --trace-file (kvstrata.sim.trace.TraceRecorder)
 
     def request_shutdown(self) -> None:
         self.shutdown_requested = True

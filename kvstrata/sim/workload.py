@@ -164,8 +164,8 @@ def _session(
     wl: Workload, rng: random.Random, docs: _Sampler, n: int, t: float, agent: bool
 ) -> Iterator[Request | Prefetch]:
     sid = f"{'agent' if agent else 'chat'}-{n}".encode()
-    parts: list[tuple[str, int, int]] = [("sys", rng.randrange(max(1, wl.system_prompts)), 0)]
-    parts[0] = (parts[0][0], parts[0][1], wl.system_tokens)
+    system = rng.randrange(max(1, wl.system_prompts))
+    parts: list[tuple[str, int, int]] = [("sys", system, wl.system_tokens)]
     if agent and wl.tool_schemas:
         parts.append(("tool", rng.randrange(wl.tool_schemas), wl.tool_tokens))
     for _ in range(wl.docs_per_session if wl.rag_docs else 0):
