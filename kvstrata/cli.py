@@ -1,4 +1,5 @@
-"""Command line: ``kvstrata serve``, ``kvstrata version``, ``kvstrata demo``."""
+"""Command line: ``kvstrata serve``, ``kvstrata version``, ``kvstrata demo``,
+``kvstrata simulate``."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "demo", help="multi-turn transformers demo against an embedded server (demo --help)"
     )
+    sub.add_parser(
+        "simulate", help="capacity planner: replay a trace or workload (simulate --help)"
+    )
     return parser
 
 
@@ -67,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:  # the demo parses its own options
         return _demo(argv[1:])
+    if argv[:1] == ["simulate"]:  # so does the planner
+        from kvstrata.sim.cli import main as simulate_main
+
+        return simulate_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "version":
         print(f"kvstrata {__version__}")

@@ -247,6 +247,8 @@ OPTIONS: tuple[Option, ...] = (
     _opt("loglevel", "notice", _choice("debug", "verbose", "notice", "warning"),
          "Log level.", mutable=True),
     _opt("data-dir", "./kvstrata-data", _str, "Folder for persistent tiers."),
+    _opt("trace-file", "", _str, "Append every KV.MATCH/PUT/GET/LEASE/SESSION/PREFETCH (sizes "
+         "and hashes, no payloads) to this JSON Lines file for kvstrata simulate; empty = off."),
     # KV store
     _opt("chunk-tokens", 256, _int(1, 1 << 20), "Default tokens per chunk (KV.MATCHTOKENS)."),
     _opt("lease-ttl", 30000, _int(1, 86_400_000), "Default lease lifetime in ms.",

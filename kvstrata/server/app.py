@@ -28,6 +28,7 @@ from kvstrata.server.cmdstats import CommandStats
 from kvstrata.server.connection import Connection
 from kvstrata.server.context import ClientState, ServerStats
 from kvstrata.server.registry import load_all
+from kvstrata.sim.trace import TraceRecorder
 from kvstrata.store.keyspace import Keyspace
 from kvstrata.store.strings import StringStore
 
@@ -66,6 +67,8 @@ class Server:
         self.loading = False
         self.loading_start_time = 0.0
         self._cron: asyncio.Task[None] | None = None
+        #: ``trace-file``: the KV command recorder (kvstrata.sim.trace), None when off
+        self.tracer: TraceRecorder | None = None
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -79,6 +82,8 @@ class Server:
         tls_context = self._ssl_context() if self.config.tls_port else None
         self.loading = True
         self.loading_start_time = time.time()
+        if self.config.values.get("trace-file"):
+            self.tracer = TraceRecorder(self.config.values["trace-file"])
         loop = asyncio.get_running_loop()
         hosts = [h.lstrip("-") for h in self.config.binds]
         hosts = [None if h == "*" else h for h in hosts]  # type: ignore[misc]
@@ -198,6 +203,8 @@ class Server:
                 await asyncio.wait_for(self.metrics.close(), 1.0)
         if self.store is not None:
             await self.store.close(save_budget=self._save_budget())
+        if self.tracer is not None:
+            self.tracer.close()
         log.info("kvstrata stopped")
 
     def _save_budget(self) -> float | None:

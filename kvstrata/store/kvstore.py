@@ -434,6 +434,7 @@ class KVStore:
             ("kv_write_waiting", len(self.placement.room)),
             ("kv_write_waited", self.placement.room.waited),
             ("kv_write_wait_timeouts", self.placement.room.timeouts),
+            ("kv_moves_in_flight", len(self.state.moves)),
         ]
         persistence: list[tuple[str, object]] = [
             (f"rebuild_{k}", round(v, 3) if isinstance(v, float) else v)

@@ -35,6 +35,7 @@ from kvstrata.store.kvstore_read import ReadPath
 from kvstrata.store.kvstore_remote import RemotePath
 from kvstrata.store.kvstore_state import StoreState, is_shared
 from kvstrata.store.placement import Placement
+from kvstrata.store.policy import chain_to, prefetch_budget, prefetch_todo
 from kvstrata.store.prefetch import PrefetchRequest, PrefetchScheduler
 from kvstrata.store.sessions import DEFAULT_TTL_MS, SessionTable
 from kvstrata.store.shared_sessions import SharedSessions
@@ -100,39 +101,16 @@ class PrefetchPath:
         entry = self.sessions.get(ns, session)
         if entry is None:
             return []
-        out: list[bytes] = []
-        seen: set[bytes] = set()
-        h = entry.tail
-        while h and h not in seen and len(out) < MAX_CHAIN:
-            seen.add(h)
-            out.append(h)
-            rec = self.state.live(ChunkKey(ns, h))
-            if rec is None:
-                break
-            h = rec.parent
-        out.reverse()
-        return out
+        return chain_to(entry.tail, lambda h: self.state.live(ChunkKey(ns, h)), MAX_CHAIN)
 
     def _todo(self, ns: str, hashes: Sequence[bytes], target: str) -> list[bytes]:
         """Hashes worth queueing: the prefix that fits the target, minus chunks already there."""
         tier = self.state.by_name[target]
-        pol = self.placement.policy(target)
-        budget = int(tier.capacity * (pol.low or 1.0)) if self.placement.bounded(tier) else -1
-        out: list[bytes] = []
-        total = 0
+        budget = prefetch_budget(self.placement.policy(target), tier.capacity)
         live = self.state.live
-        for h in hashes:
-            rec = live(ChunkKey(ns, h))
-            if rec is None and not self.remote.enabled:
-                break  # the chain ends here: nothing can bring this chunk in
-            if rec is not None:
-                total += rec.size
-                if budget >= 0 and total > budget:
-                    break
-                if target in rec.tiers:
-                    continue
-            out.append(h)
-        return out
+        return prefetch_todo(
+            hashes, lambda h: live(ChunkKey(ns, h)), target, budget, self.remote.enabled
+        )
 
     # -- requests --------------------------------------------------------------------------------
 

@@ -32,12 +32,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.kvstore_state import StoreState, is_internal, is_shared
 from kvstrata.store.lru import LruHeap
+from kvstrata.store.policy import (
+    TierPolicy,
+    is_bounded,
+    leaving_counter,
+    pick_victims,
+    tier_policy,
+    write_back_needed,
+)
+from kvstrata.store.policy import above_high as _above_high
+from kvstrata.store.policy import eligible as _eligible
 from kvstrata.store.room import RoomQueue
 from kvstrata.tiers.base import (
     Buffer,
@@ -71,16 +80,6 @@ def check_bytes(rec: ChunkRecord, src: Tier, data: Buffer, meta: ChunkMeta | Non
         raise ChecksumMismatch(f"{src.name}: checksum mismatch for {rec.key.hex}")
 
 
-@dataclass(frozen=True, slots=True)
-class TierPolicy:
-    """Watermarks (fill ratios; None = unbounded) and write policy of one tier."""
-
-    name: str
-    high: float | None
-    low: float | None
-    write_through: bool
-
-
 class Placement:
     """Watermarks, victim choice, demotion and eviction for one store."""
 
@@ -104,17 +103,13 @@ class Placement:
     # -- policy -------------------------------------------------------------------------------
 
     def policy(self, name: str) -> TierPolicy:
-        values = self.state.config.values
-        high = values.get(f"{name}-high-watermark")
-        low = values.get(f"{name}-low-watermark")
-        wt = values.get(f"{name}-write-policy") == "write-through"
-        return TierPolicy(name, high, low if low is not None else high, wt)
+        return tier_policy(self.state.config.values, name)
 
     def write_through_tiers(self) -> list[int]:
         return [i for i, t in enumerate(self.state.tiers) if self.policy(t.name).write_through]
 
     def bounded(self, tier: Tier) -> bool:
-        return self.policy(tier.name).high is not None and tier.capacity > 0
+        return is_bounded(self.policy(tier.name), tier.capacity)
 
     def free_for(self, tier: Tier) -> int:
         """Largest chunk that fits now."""
@@ -126,8 +121,7 @@ class Placement:
         return max(0, tier.capacity - tier.used - in_flight)
 
     def above_high(self, tier: Tier) -> bool:
-        pol = self.policy(tier.name)
-        return pol.high is not None and tier.capacity > 0 and tier.used > pol.high * tier.capacity
+        return _above_high(self.policy(tier.name), tier.capacity, tier.used)
 
     # -- index hook and victims ---------------------------------------------------------------
 
@@ -139,28 +133,14 @@ class Placement:
 
     @staticmethod
     def eligible(rec: ChunkRecord) -> bool:
-        return rec.alive and not rec.pins and not rec.moving and not rec.leases
+        return _eligible(rec)
 
     def pick(self, i: int, need: int) -> list[ChunkRecord]:
         """Pop LRU leaf candidates of tier ``i`` adding up to at least ``need`` bytes."""
         heap = self.heaps.get(self.state.tiers[i].name)
         if heap is None:
             return []
-        victims: list[ChunkRecord] = []
-        skipped: list[ChunkRecord] = []
-        got = 0
-        while got < need:
-            rec = heap.pop()
-            if rec is None:
-                break
-            if not self.eligible(rec):
-                skipped.append(rec)
-                continue
-            victims.append(rec)
-            got += rec.size
-        for rec in skipped:
-            heap.requeue(rec)
-        return victims
+        return pick_victims(heap, need)
 
     # -- making room ----------------------------------------------------------------------------
 
@@ -253,7 +233,7 @@ class Placement:
                 # this tier during the write-back: keep it
                 return False
             await state.delete_copy(rec, name)
-            if rec.tiers:
+            if leaving_counter(rec) == "demotions":
                 state.counters[name].demotions += 1
             else:
                 state.counters[name].evictions += 1
@@ -287,7 +267,8 @@ class Placement:
             return True
         held = any(t.name in rec.tiers for t in lower)
         local = [t for t in lower if not is_shared(t)]
-        if any(t.name in rec.tiers for t in local) or (held and not local):
+        shared = [t.name for t in lower if is_shared(t)]
+        if not write_back_needed(rec, [t.name for t in lower], shared):
             return True
         if await self._write_lower(rec, i) is not None:
             return True

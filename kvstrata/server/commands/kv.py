@@ -12,7 +12,7 @@ a hash equal to an option word must not be the last argument.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstrata.protocol.errors import CommandError, RespError, syntax_error
@@ -50,6 +50,13 @@ def store_of(ctx: Ctx) -> Any:
     if store is None:
         raise CommandError("the KV store is not available on this server")
     return store
+
+
+def trace(ctx: Ctx, op: str, ns: str, hashes: Sequence[bytes], **kw: Any) -> None:
+    """Record the command for ``kvstrata simulate`` when ``trace-file`` is set."""
+    tracer = ctx.server.tracer
+    if tracer is not None:
+        tracer.record(op, ns, hashes, **kw)
 
 
 def int_option(arg: Any, what: str, lo: int, hi: int) -> int:
@@ -149,6 +156,8 @@ def kv_put(ctx: Ctx, args: Args) -> Reply:
     if not memoryview(payload).nbytes:
         raise CommandError("invalid payload: empty")
     tokens, ttl = opts.get(b"TOKENS", 0), opts.get(b"TTL")
+    size = memoryview(payload).nbytes
+    trace(ctx, "put", ns, [h], parent=parent, size=size, tokens=tokens)
     if sink is not None:  # the payload is already in its arena slot: usually nothing to await
         done = store.put_sink_now(ns, h, parent, tokens, ttl, sink)
         if done is not NOT_NOW:
@@ -192,6 +201,7 @@ def kv_get(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     h = validate_hash(args[2])
     store = store_of(ctx)
+    trace(ctx, "get", ns, [h])
     payload = store.get_now(ns, h)
     if payload is NOT_NOW:
         return _get_slow(ctx, store, ns, h)  # a coroutine: the connection awaits it, in order
@@ -216,6 +226,7 @@ async def _get_slow(ctx: Ctx, store: Any, ns: str, h: bytes) -> Reply:
 async def kv_mget(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     hashes = chain_hashes(ctx, args[2:])
+    trace(ctx, "get", ns, hashes)
     store = store_of(ctx)
     out: list[Reply] = []
     for start in range(0, len(hashes), SLICE):
@@ -258,6 +269,7 @@ def kv_match(ctx: Ctx, args: Args) -> Reply:
         end -= 1
     hashes = chain_hashes(ctx, args[2:end])
     store = store_of(ctx)
+    trace(ctx, "match", ns, hashes, prefetch=b"PREFETCH" in flags)
     if len(hashes) > SLICE:
         return _match_sliced(store, ns, hashes, flags)
     records = store.matched(ns, hashes)

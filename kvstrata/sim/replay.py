@@ -1,0 +1,196 @@
+"""Runs: tiers from sizes and hardware, a trace or a workload through the simulator, and the
+report (per-tier counters with KV.STATS's names, links, prefetch, TTFT and GPU time)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvstrata.config import OPTIONS
+from kvstrata.sim.economics import Hardware, Model, load_seconds, recompute_seconds
+from kvstrata.sim.engine import MatchResult, Simulator
+from kvstrata.sim.trace import Event
+from kvstrata.sim.vtiers import TierSpec
+from kvstrata.sim.workload import Workload, drive, generate
+from kvstrata.store.policy import tier_policy
+
+DEFAULTS = {o.name: o.default for o in OPTIONS}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one run is asked: tier sizes (None: no such tier), hardware, model, MFU."""
+
+    dram: int | None
+    nvme: int | None
+    gpu: int | None = None
+    s3: bool = False
+    model: Model | None = None
+    hardware: Hardware | None = None
+    mfu: float = 0.5
+    chunk_tokens: int = 256
+
+
+def tier_specs(plan: Plan, hw: Hardware, values: dict | None = None) -> list[TierSpec]:
+    """Virtual tiers with the server's default policy (or ``values``: config key → value)."""
+    vals = dict(DEFAULTS if values is None else values)
+    out = []
+    for name, size in (("gpu", plan.gpu), ("dram", plan.dram), ("nvme", plan.nvme)):
+        if size is not None:
+            bw, lat = hw.links[name]
+            out.append(TierSpec(name, size, bw, lat, tier_policy(vals, name)))
+    if plan.s3:
+        bw, lat = hw.links["s3"]
+        out.append(TierSpec("s3", 0, bw, lat, tier_policy(vals, "s3")))
+    return out
+
+
+def replay(sim: Simulator, events: Iterable[Event]) -> int:
+    """Feed trace events to the simulator; the chunk operations done."""
+    n = 0
+    for ev in events:
+        sim.tick(ev.t)
+        op = ev.op
+        if op == "get":
+            sim.get(ev.ns, ev.hashes[0])
+            n += 1
+        elif op == "put":
+            sim.put(ev.ns, ev.hashes[0], ev.parent, ev.size, ev.tokens)
+            n += 1
+        elif op == "match":
+            sim.match(ev.ns, ev.hashes, ev.tokens, ev.prefetch)
+            n += len(ev.hashes)
+        elif op == "lease":
+            sim.lease(ev.ns, ev.hashes, ev.to)
+            n += len(ev.hashes)
+        elif op == "session":
+            assert ev.session is not None
+            sim.session(ev.ns, ev.session, ev.hashes[0])
+            n += 1
+        elif ev.session is not None:
+            n += sim.prefetch_session(ev.ns, ev.session, ev.to) + 1
+        else:
+            sim.prefetch_chain(ev.ns, ev.hashes, ev.to)
+            n += len(ev.hashes)
+    return n
+
+
+class Ticking:
+    """The simulator as a :func:`~kvstrata.sim.workload.drive` target: every command ticks
+    the clock first, as every command of a replayed trace does (the same LRU order)."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        self.t = 0.0
+
+    def match(self, ns: str, hashes: tuple[bytes, ...], tokens: int) -> int:
+        self.sim.tick(self.t)
+        return self.sim.match(ns, hashes, tokens)
+
+    def get(self, ns: str, h: bytes) -> object:
+        self.sim.tick(self.t)
+        return self.sim.get(ns, h)
+
+    def put(self, ns: str, h: bytes, parent: bytes, size: int, tokens: int) -> object:
+        self.sim.tick(self.t)
+        return self.sim.put(ns, h, parent, size, tokens)
+
+    def session(self, ns: str, sid: bytes, tail: bytes) -> object:
+        self.sim.tick(self.t)
+        self.sim.session(ns, sid, tail)
+        return None
+
+    def prefetch_session(self, ns: str, sid: bytes) -> object:
+        self.sim.tick(self.t)
+        return self.sim.prefetch_session(ns, sid)
+
+
+def run_workload(sim: Simulator, wl: Workload, chunk_bytes: int) -> int:
+    target = Ticking(sim)
+    n = 0
+    for item in generate(wl):
+        target.t = item.t
+        n += drive(target, wl, item, chunk_bytes)
+    return n
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _ttft(req: MatchResult, plan: Plan, model: Model, hw: Hardware) -> tuple[float, float, int]:
+    """(TTFT of the prefill with the cache, without it, cached tokens) of one request."""
+    ct = plan.chunk_tokens
+    total = req.tokens or req.chunks * ct
+    by_tier: dict[str, int] = {}
+    cached = 0
+    for tier, size, tokens in req.found:
+        by_tier[tier] = by_tier.get(tier, 0) + size
+        cached += tokens or ct
+    cached = min(cached, total)
+    load = sum(load_seconds(b, hw.links[t]) for t, b in by_tier.items())
+    rest = recompute_seconds(model, total - cached, hw, plan.mfu)
+    return load + rest, recompute_seconds(model, total, hw, plan.mfu), cached
+
+
+def report(sim: Simulator, plan: Plan, wall: float, chunk_ops: int) -> dict:
+    """The run's figures as one JSON-ready dict (``tiers`` keyed like KV.STATS)."""
+    assert plan.model is not None and plan.hardware is not None
+    tiers: dict[str, dict[str, float | None]] = {}
+    for t in sim.tiers:
+        c: dict[str, float] = dict(t.counters.as_dict())
+        looked = c["hits"] + c["misses"]
+        c.update(capacity=t.capacity, used=t.used, chunks=sim.index.count_in.get(t.name, 0))
+        tiers[t.name] = {**c, "hit_ratio": round(c["hits"] / looked, 4) if looked else None}
+    with_cache, without, cached, total = [], [], 0, 0
+    for req in sim.requests:
+        a, b, n = _ttft(req, plan, plan.model, plan.hardware)
+        with_cache.append(a)
+        without.append(b)
+        cached += n
+        total += req.tokens or req.chunks * plan.chunk_tokens
+    return {
+        "model": plan.model.name,
+        "hardware": plan.hardware.name,
+        "mfu": plan.mfu,
+        "ops": sim.ops,
+        "chunk_ops": chunk_ops,
+        "seconds": round(wall, 3),
+        "chunk_ops_per_second": round(chunk_ops / wall) if wall > 0 else 0,
+        "tiers": tiers,
+        "links": dict(sim.links),
+        "prefetch": dict(sim.prefetch),
+        "oom": sim.oom,
+        "requests": len(sim.requests),
+        "tokens": {"prompt": total, "cached": cached},
+        "token_hit_ratio": round(cached / total, 4) if total else 0.0,
+        "ttft": {
+            "p50": _pct(with_cache, 0.5),
+            "p99": _pct(with_cache, 0.99),
+            "recompute_p50": _pct(without, 0.5),
+            "recompute_p99": _pct(without, 0.99),
+        },
+        "gpu_seconds": {
+            "prefill": round(sum(with_cache), 3),
+            "recompute": round(sum(without), 3),
+            "saved": round(sum(without) - sum(with_cache), 3),
+        },
+    }
+
+
+def run(plan: Plan, events: list[Event] | None, wl: Workload | None) -> dict:
+    """One simulation of a trace (``events``) or a workload with ``plan``'s tiers."""
+    assert plan.model is not None and plan.hardware is not None
+    sim = Simulator(tier_specs(plan, plan.hardware))
+    start = time.perf_counter()
+    if events is not None:
+        n = replay(sim, events)
+    else:
+        assert wl is not None
+        size = wl.chunk_bytes or int(plan.model.kv_size(wl.chunk_tokens))
+        n = run_workload(sim, wl, size)
+    return report(sim, plan, time.perf_counter() - start, n)
