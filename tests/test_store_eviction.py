@@ -271,3 +271,41 @@ def test_concurrent_demotions_into_full_nvme_evict_nvme_victims(tmp_path: Path) 
                     p.release()
 
     run(main())
+
+
+def test_promotion_in_flight_does_not_make_its_parent_a_victim() -> None:
+    """Scenario: DRAM (8 slots, high 0.5, low 0.25) holds a0, b0, b1, c0 (4 slots: at its high
+    mark, not above); a0's child a1 is only in NVMe. A GET of a1 promotes it: its DRAM slot is
+    reserved while NVMe is read. A demoter round in that window must not run (the reservation
+    is not committed), else it sees a0 as a leaf and demotes it although a1 is about to land
+    under it. Once a1 is committed the round runs: the other leaves leave, a0 and a1 stay."""
+
+    async def main() -> None:
+        nvme = FakeTier("nvme")
+        cfg: dict[str, Any] = {"dram_high_watermark": 0.5, "dram_low_watermark": 0.25}
+        async with open_store([make_dram(8 * SLOT), nvme], start=False, **cfg) as store:
+            a0, a1, b0, b1, c0 = b"a0", b"a1", b"b0", b"b1", b"c0"
+            assert await store.put(NS, a0, b"", blob(0))
+            assert await store.put(NS, a1, a0, blob(1))
+            rec0, rec1 = store.index.get(ChunkKey(NS, a0)), store.index.get(ChunkKey(NS, a1))
+            assert await store.placement.move_down(rec1, 0) and rec1.tiers == {"nvme"}
+            for i, h in enumerate((b0, b1, c0)):
+                assert await store.put(NS, h, b"", blob(2 + i))
+            dram = store.state.dram
+            assert dram.used == 4 * SLOT
+            nvme.gate = asyncio.Event()
+            reading = asyncio.create_task(store.get(NS, a1))
+            assert await wait_until(lambda: dram.used == 5 * SLOT)  # a1's slot is reserved
+            await store.placement.enforce(0)  # a demoter round now (its 50 ms tick)
+            assert "dram" in rec0.tiers
+            nvme.gate.set()
+            p = await reading
+            assert p is not None and bytes(p.view) == blob(1)
+            if p.release:
+                p.release()
+            assert rec1.tiers == {"dram", "nvme"} and store.placement.above_high(dram)
+            await store.placement.enforce(0)
+            assert "dram" in rec0.tiers and "dram" in rec1.tiers
+            assert dram.used == 2 * SLOT  # b0, b1, c0 left, the least recently used leaves
+
+    run(main())

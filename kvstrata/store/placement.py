@@ -5,6 +5,8 @@ Policy, per tier:
 - ``{tier}-high-watermark`` / ``{tier}-low-watermark`` (fill ratios; a tier without them, such
   as s3, is unbounded). Above the high mark the background demoter moves chunks out until the
   tier is below the low mark; a write that does not fit makes room synchronously first.
+  Promotions still landing (reserved, not committed: :attr:`Placement.landing`) do not count
+  towards the high mark: their commit wakes the demoter, which then sees the chunk in place.
 - Victims are chosen least-recently-used **among the chunks none of whose children are
   resident in that tier** (evicting a parent first would strand its children), never pinned
   (leased, being read, being moved) and never uncommitted (reservations are not in the index).
@@ -91,6 +93,8 @@ class Placement:
         self._kick = asyncio.Event()
         #: writers waiting for DRAM room, first come first served
         self.room = RoomQueue(self, self._room_limits)
+        #: bytes being promoted into each tier: reserved there, not committed (``above_high``)
+        self.landing: dict[str, int] = {}
         state.index.on_change = self.changed
         #: told when a shared tier holds a newer version of a chunk than the record (the
         #: store's RemotePath adopts it)
@@ -121,7 +125,8 @@ class Placement:
         return max(0, tier.capacity - tier.used - in_flight)
 
     def above_high(self, tier: Tier) -> bool:
-        return _above_high(self.policy(tier.name), tier.capacity, tier.used)
+        landing = self.landing.get(tier.name, 0)
+        return _above_high(self.policy(tier.name), tier.capacity, tier.used, landing)
 
     # -- index hook and victims ---------------------------------------------------------------
 
@@ -353,6 +358,7 @@ class Placement:
         if view is None:
             return False
         committed = False
+        self.landing[dram.name] = self.landing.get(dram.name, 0) + rec.size
         try:
             meta = await src.get(key, view)
             check_bytes(rec, src, view, meta)
@@ -366,6 +372,7 @@ class Placement:
                 state.drop_if_gone(rec)  # (a corrupt chunk is gone from every tier already)
             return None
         finally:
+            self.landing[dram.name] -= rec.size
             if not committed:
                 dram.abort(key)
         state.index.add_tier(rec, dram.name)

@@ -4,7 +4,8 @@
 :class:`~kvstrata.sim.engine.Simulator` (virtual tiers that hold sizes, no bytes) both decide
 through these functions, so a capacity plan replays the policy the server runs, not a copy:
 
-- watermarks per tier (:func:`tier_policy`, :func:`is_bounded`, :func:`above_high`);
+- watermarks per tier (:func:`tier_policy`, :func:`is_bounded`, :func:`above_high`: a
+  promotion still landing in a tier does not wake its demoter, its commit does);
 - victim choice: least recently used among the chunks with no resident child in the tier,
   never pinned, leased or moving (:func:`pick_victims` over the tier's
   :class:`~kvstrata.store.lru.LruHeap`, :func:`eligible`);
@@ -46,7 +47,13 @@ def is_bounded(pol: TierPolicy, capacity: int) -> bool:
     return pol.high is not None and capacity > 0
 
 
-def above_high(pol: TierPolicy, capacity: int, used: float) -> bool:
+def above_high(pol: TierPolicy, capacity: int, used: float, landing: int = 0) -> bool:
+    """Whether the demoter acts on a tier: above its high mark counting committed bytes only.
+    ``landing``: bytes of promotions into the tier still in flight (reserved, their chunks not
+    in the index yet). They do not count: while a chunk lands, its parent still looks like a
+    leaf and would be picked as a victim that the finished promotion rules out; the promotion's
+    commit wakes the demoter instead, so victims are chosen with the chunk in place."""
+    used -= landing
     return pol.high is not None and capacity > 0 and used > pol.high * capacity
 
 
