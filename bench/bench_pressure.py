@@ -24,6 +24,7 @@ import random
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -31,7 +32,8 @@ from pathlib import Path
 
 import redis
 
-from bench._servers import kvstrata_server
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _servers import kvstrata_server
 
 MiB = 1024 * 1024
 
