@@ -124,8 +124,10 @@ def main() -> None:
     rows: list[tuple[str, dict[str, float]]] = []
     runs: list[tuple[str, Callable[[], object], bool]] = [
         ("redis-server", redis_server, False),
+        # maxmemory above what 1M small values count (0 would mean the 64 MiB DRAM capacity,
+        # and allkeys-lru would evict keys while they are loaded)
         ("kvstrata", lambda: kvstrata_server("--dram-capacity", "64MiB", "--nvme-capacity",
-                                             "0"), True),
+                                             "0", "--maxmemory", "1GiB"), True),
     ]  # fmt: skip
     for name, start, kv in runs:
         with start() as proc:  # type: ignore[attr-defined]
