@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.config import Config, load_config
 from kvstrata.store.keys import ChunkKey, ChunkMeta
@@ -13,6 +13,10 @@ from kvstrata.store.keyspace import Keyspace
 from kvstrata.tiers.base import Buffer, ChunkMissing, Tier, TierFull, TierIOError
 from kvstrata.tiers.checksum import checksum
 from kvstrata.tiers.dram import DramConfig, DramTier
+
+if TYPE_CHECKING:
+    from kvstrata.tiers.s3 import S3Tier
+    from tests.s3fixture import MotoServer
 
 
 class FakeTier(Tier):
@@ -126,3 +130,13 @@ class open_store:  # used as ``async with open_store(...) as store``
 
     async def __aexit__(self, *exc: object) -> None:
         await self.store.close()
+
+
+def s3_tier(server: MotoServer, bucket: str, **kw: Any) -> S3Tier:
+    """An S3Tier on a moto server: short timeouts, no retries, no negative cache (``kw`` wins)."""
+    from kvstrata.tiers.s3 import S3Config, S3Tier
+
+    settings: dict[str, Any] = {"max_connections": 4, "timeout": 2.0, "retries": 0,
+                                "retry_after": 0.2, "negative_ttl": 0.0}  # fmt: skip
+    settings.update(kw)
+    return S3Tier(S3Config(bucket=bucket, endpoint=server.endpoint, **settings))

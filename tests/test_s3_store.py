@@ -17,7 +17,7 @@ import pytest
 from kvstrata.store.keys import ChunkKey
 from kvstrata.tiers.base import TierIOError
 from kvstrata.tiers.s3 import S3Config, S3Tier, object_name
-from tests.fakes import FakeTier, chain, make_dram, open_store
+from tests.fakes import FakeTier, chain, make_dram, open_store, s3_tier
 
 if TYPE_CHECKING:
     from tests.s3fixture import MotoServer
@@ -37,13 +37,6 @@ def run(coro: Awaitable[Any]) -> Any:
 
 def blob(i: int, size: int = SIZE) -> bytes:
     return bytes([(i * 7 + 1) % 251]) * size
-
-
-def s3_tier(server: MotoServer, bucket: str, **kw: Any) -> S3Tier:
-    settings: dict[str, Any] = {"max_connections": 4, "timeout": 2.0, "retries": 0,
-                                "retry_after": 0.2, "negative_ttl": 0.0}  # fmt: skip
-    settings.update(kw)
-    return S3Tier(S3Config(bucket=bucket, endpoint=server.endpoint, **settings))
 
 
 async def put_chain(store: Any, hashes: list[bytes], size: int = SIZE) -> None:

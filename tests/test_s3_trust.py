@@ -21,8 +21,8 @@ from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers.base import ChunkMissing
 from kvstrata.tiers.checksum import checksum
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
-from kvstrata.tiers.s3 import S3Config, S3Tier, object_name
-from tests.fakes import chain, make_dram, open_store
+from kvstrata.tiers.s3 import S3Config, object_name
+from tests.fakes import chain, make_dram, open_store, s3_tier
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -45,13 +45,6 @@ def run(coro: Awaitable[Any]) -> Any:
 
 def blob(i: int, size: int = SIZE) -> bytes:
     return bytes([(i * 7 + 1) % 251]) * size
-
-
-def s3_tier(server: MotoServer, bucket: str, **kw: Any) -> S3Tier:
-    settings: dict[str, Any] = {"max_connections": 4, "timeout": 2.0, "retries": 0,
-                                "retry_after": 0.2, "negative_ttl": 0.0}  # fmt: skip
-    settings.update(kw)
-    return S3Tier(S3Config(bucket=bucket, endpoint=server.endpoint, **settings))
 
 
 def node(server: MotoServer, bucket: str, auth: str = "", **cfg: Any) -> open_store:
