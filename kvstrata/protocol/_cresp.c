@@ -44,6 +44,16 @@ static PyObject *proto_error(const char *msg) {
     return NULL;
 }
 
+/* "expected '$', got X" for a multibulk element that is not a bulk (X escaped if unprintable) */
+static PyObject *not_a_bulk(unsigned char ch) {
+    char msg[64];
+    if (ch >= 0x20 && ch < 0x7f)
+        snprintf(msg, sizeof msg, "expected '$', got '%c'", ch);
+    else
+        snprintf(msg, sizeof msg, "expected '$', got '\\x%02x'", ch);
+    return proto_error(msg);
+}
+
 static PyObject *set_error_class(PyObject *self, PyObject *cls) {
     Py_XINCREF(cls);
     Py_XSETREF(error_class, cls);
@@ -123,13 +133,7 @@ static PyObject *parse_requests(PyObject *self, PyObject *args) {
         for (long long i = 0; i < n; i++) {
             if (p >= stop) { complete = 0; break; }
             if (*p != '$') {
-                char msg[64];
-                unsigned char ch = (unsigned char)*p;
-                if (ch >= 0x20 && ch < 0x7f)
-                    snprintf(msg, sizeof msg, "expected '$', got '%c'", ch);
-                else
-                    snprintf(msg, sizeof msg, "expected '$', got '\\x%02x'", ch);
-                Py_DECREF(argv); proto_error(msg); goto fail;
+                Py_DECREF(argv); not_a_bulk((unsigned char)*p); goto fail;
             }
             const char *bnl = find_crlf(p, stop);
             if (bnl == NULL) {
@@ -201,13 +205,7 @@ static PyObject *parse_args(PyObject *self, PyObject *pyargs) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (p >= stop) break;
         if (*p != '$') {
-            char msg[64];
-            unsigned char ch = (unsigned char)*p;
-            if (ch >= 0x20 && ch < 0x7f)
-                snprintf(msg, sizeof msg, "expected '$', got '%c'", ch);
-            else
-                snprintf(msg, sizeof msg, "expected '$', got '\\x%02x'", ch);
-            PyBuffer_Release(&view); return proto_error(msg);
+            PyBuffer_Release(&view); return not_a_bulk((unsigned char)*p);
         }
         const char *bnl = find_crlf(p, stop);
         if (bnl == NULL) {
