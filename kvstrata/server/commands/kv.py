@@ -21,7 +21,6 @@ from kvstrata.server.commands._chain import (
     SLICE,
     THREAD_TOKENS,
     chain_hashes,
-    check_hashes,  # noqa: F401 (re-exported for the command modules that import it from here)
     check_token_limits,
     hash_off_loop,
     matched_sliced,
