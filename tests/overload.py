@@ -39,6 +39,17 @@ def ping_seconds(port: int, count: int = 5) -> float:
     return worst
 
 
+def idle_window(pid: int, port: int) -> tuple[float, float]:
+    """Over a 2 s window, a PING every 0.1 s: the share of one core ``pid`` used, and the worst
+    PING round trip."""
+    cpu0, wall0 = cpu_seconds(pid), time.monotonic()
+    worst = 0.0
+    for _ in range(20):
+        worst = max(worst, ping_seconds(port, count=1))
+        time.sleep(0.1)  # pacing the probe, not synchronisation
+    return (cpu_seconds(pid) - cpu0) / (time.monotonic() - wall0), worst
+
+
 def wait_until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not cond():

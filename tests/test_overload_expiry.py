@@ -7,13 +7,12 @@ busy and stalled other clients.
 from __future__ import annotations
 
 import random
-import time
 
 import redis
 
 from kvstrata.store.keyspace import Keyspace, StringEntry
 from kvstrata.store.sampleset import SampleSet
-from tests.overload import cpu_seconds, ping_seconds
+from tests.overload import idle_window
 
 KEYS = 200_000
 
@@ -68,12 +67,6 @@ def test_idle_server_with_many_ttl_keys_stays_idle(make_process_server) -> None:
             pipe.set(b"key:%d" % i, b"v", px=3_600_000)
         pipe.execute()
     assert r.dbsize() == KEYS
-    pid = srv.process.pid
-    cpu0, wall0 = cpu_seconds(pid), time.monotonic()
-    worst = 0.0
-    for _ in range(20):  # a PING every 0.1 s over the 2 s window in which CPU is measured
-        worst = max(worst, ping_seconds(srv.port, count=1))
-        time.sleep(0.1)  # pacing the probe, not synchronisation
-    share = (cpu_seconds(pid) - cpu0) / (time.monotonic() - wall0)
+    share, worst = idle_window(srv.process.pid, srv.port)
     assert share < 0.10, f"idle server used {share:.0%} of a core"
     assert worst < 0.5, f"PING took {worst * 1000:.0f} ms"
