@@ -4,7 +4,8 @@ helper that builds a KVStore over a real (small) DramTier plus fake lower tiers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.config import Config, load_config
@@ -140,3 +141,23 @@ def s3_tier(server: MotoServer, bucket: str, **kw: Any) -> S3Tier:
                                 "retry_after": 0.2, "negative_ttl": 0.0}  # fmt: skip
     settings.update(kw)
     return S3Tier(S3Config(bucket=bucket, endpoint=server.endpoint, **settings))
+
+
+async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> bool:
+    """Poll ``cond`` on the event loop until it holds or ``limit`` seconds pass; its last value."""
+    for _ in range(int(limit / 0.01)):
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return cond()
+
+
+def wait_for(cond: Callable[[], bool], limit: float = 10.0) -> bool:
+    """Poll ``cond`` from a test thread (a server in another thread or process) until it holds
+    or ``limit`` seconds pass; its last value."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()

@@ -5,7 +5,6 @@ holder ends it or goes away; handles and regions carry the pool's instance ident
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 
@@ -15,7 +14,7 @@ from kvstrata.store.kvstore import KVStore
 from kvstrata.store.leases import Holder
 from kvstrata.tiers.gpu import GpuConfig, GpuTier
 from kvstrata.tiers.gpu_memory import HostMemory
-from tests.fakes import make_dram, open_store
+from tests.fakes import make_dram, open_store, wait_until
 
 NS = "fence-gpu@c4"
 CHUNK = 64 * 1024
@@ -36,14 +35,6 @@ class Conn:
     def __init__(self, cid: int) -> None:
         self.open = True
         self.holder = Holder(cid, lambda: self.open)
-
-
-async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> bool:
-    for _ in range(int(limit / 0.01)):
-        if cond():
-            return True
-        await asyncio.sleep(0.01)
-    return cond()
 
 
 async def fill_gpu(store: KVStore, first: int, count: int) -> list[int]:

@@ -5,7 +5,6 @@ Never kept, never served again."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import redis
@@ -15,19 +14,10 @@ from kvstrata.store.keys import ChunkKey
 from kvstrata.tiers.gpu import GpuConfig, GpuTier
 from kvstrata.tiers.gpu_memory import HostMemory
 from tests.conftest import RunningServer
-from tests.fakes import FakeTier, make_dram, open_store
+from tests.fakes import FakeTier, make_dram, open_store, wait_for
 
 NS = "integrity@u8@c16"
 SLOT = 256 * 1024
-
-
-def wait_for(cond: Callable[[], bool], limit: float = 10.0) -> bool:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_chunk_corrupted_in_dram_is_dropped_everywhere_on_demotion(

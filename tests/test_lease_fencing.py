@@ -10,7 +10,6 @@ server without fencing the expired lease's slot is then another chunk's.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -18,6 +17,7 @@ import redis
 
 from kvstrata.clients import Client, LeaseError
 from tests.conftest import RunningServer
+from tests.fakes import wait_for
 
 NS = "fence@u8@c16"
 SLOT = 256 * 1024
@@ -31,15 +31,6 @@ def content(i: int) -> bytes:
 
 def key(i: int) -> bytes:
     return b"c%04d" % i
-
-
-def wait_for(cond: Callable[[], bool], limit: float = 10.0) -> bool:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def info(r: redis.Redis) -> dict[str, int]:

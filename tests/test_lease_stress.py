@@ -20,12 +20,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable
 
 import redis
 
 from tests.conftest import RunningServer
+from tests.fakes import wait_for
 
 NS = "stress@u8@c16"
 WORKERS = 6
@@ -148,15 +148,6 @@ WORKER = textwrap.dedent(
 )
 
 
-def wait_for(cond: Callable[[], bool], limit: float = 15.0) -> bool:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
 def last_report(out: str) -> dict[str, int]:
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert lines, f"a client reported nothing:\n{out}"
@@ -202,7 +193,7 @@ def test_concurrent_leases_under_pressure_never_show_foreign_bytes(
             and tiers["dram_reserved"] == 0 and tiers["dram_held_slots"] == 0
         )  # fmt: skip
 
-    assert wait_for(settled), tiers
+    assert wait_for(settled, limit=15.0), tiers
     assert tiers["kv_fenced_total"] > 0  # fences were made (and all ended)
     dram = r.execute_command("KV.STATS")[b"dram"]
     assert dram[b"used"] == dram[b"bytes"], dram  # only the listed chunks hold arena memory

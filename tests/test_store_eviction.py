@@ -4,7 +4,6 @@ promotion from lower tiers (a fake tier and the real NvmeTier), OOM."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import pytest
 from kvstrata.protocol.errors import OutOfMemoryError
 from kvstrata.store.keys import ChunkKey
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
-from tests.fakes import FakeTier, chain, make_dram, open_store
+from tests.fakes import FakeTier, chain, make_dram, open_store, wait_until
 
 NS = "m@c4"
 SLOT = 4096  # the DRAM arena allocates 4096-byte aligned slots
@@ -25,14 +24,6 @@ def run(coro: Any) -> Any:
 
 def blob(i: int, size: int = SLOT) -> bytes:
     return bytes([i % 251]) * (size - 7) + i.to_bytes(7, "big")
-
-
-async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> bool:
-    for _ in range(int(limit / 0.01)):
-        if cond():
-            return True
-        await asyncio.sleep(0.01)
-    return cond()
 
 
 def test_eviction_order_leaves_first_then_lru() -> None:

@@ -31,7 +31,7 @@ from kvstrata.tiers.gpu import GpuConfig, GpuTier
 from kvstrata.tiers.gpu_memory import HostMemory
 from kvstrata.tiers.gpu_nvme import chunk_path
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
-from tests.fakes import make_dram, meta_for, open_store
+from tests.fakes import make_dram, meta_for, open_store, wait_until
 
 NS = "gpu@c4"
 KiB = 1024
@@ -85,14 +85,6 @@ def record(store: KVStore, h: bytes) -> ChunkRecord:
     rec = store.index.get(ChunkKey(NS, h))
     assert rec is not None
     return rec
-
-
-async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> bool:
-    for _ in range(int(limit / 0.01)):
-        if cond():
-            return True
-        await asyncio.sleep(0.01)
-    return cond()
 
 
 async def gpu_only(store: KVStore, h: bytes, data: bytes) -> ChunkRecord:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -11,21 +10,13 @@ import pytest
 from kvstrata.protocol.errors import BusyError, CommandError, LeaseError
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.leases import LeaseTable, ReadLease
-from tests.fakes import chain, open_store
+from tests.fakes import chain, open_store, wait_until
 
 NS = "m@c4"
 
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
-
-
-async def wait_until(cond: Callable[[], bool], limit: float = 5.0) -> bool:
-    for _ in range(int(limit / 0.01)):
-        if cond():
-            return True
-        await asyncio.sleep(0.01)
-    return cond()
 
 
 def test_lease_stops_at_first_miss_and_release_unpins() -> None:
