@@ -1,4 +1,4 @@
-"""Start redis-server and kvstrata side by side for benchmarks; read their CPU time."""
+"""Start redis-server and kvstrata side by side for benchmarks; read their CPU time; time a call."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -88,3 +89,14 @@ def kvstrata_server(*extra: str) -> Iterator[Proc]:
         proc.terminate()
         proc.wait()
         shutil.rmtree(data, ignore_errors=True)
+
+
+def timed(fn: Callable[[], object], rounds: int) -> float:
+    """Median seconds of ``fn()`` over ``rounds`` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _servers import Proc, free_port, kvstrata_server, redis_server
+from _servers import Proc, free_port, kvstrata_server, redis_server, timed
 
 from kvstrata.clients import Client
 
@@ -122,16 +122,6 @@ def alternate(fns: list[Callable[[], object]], rounds: int) -> list[float]:
             fn()
             times[i].append(time.perf_counter() - t)
     return [statistics.median(t) for t in times]
-
-
-def timed(fn: Callable[[], object], rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def cpu_per_op(proc: Proc, fn: Callable[[], object], rounds: int) -> float:

@@ -25,28 +25,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _servers import kvstrata_server
+from _servers import kvstrata_server, timed
 
 from kvstrata.clients import Client
 
 NS = "bench-lease@u8@c16"
 MiB = 1024 * 1024
-
-
-def timed(fn: Callable[[], object], rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def paired(view: np.ndarray, src: np.ndarray, dst: np.ndarray, rounds: int) -> tuple:
