@@ -268,6 +268,3 @@ class StringStore:
             rec = self.kv.state.live(entry.chunk_key)
             if rec is not None:
                 self.kv.state.retire(rec)
-
-    def info_fields(self) -> list[tuple[str, object]]:
-        return [("maxmemory", self.limit), ("maxmemory_policy", self.policy)]
