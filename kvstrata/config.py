@@ -317,10 +317,6 @@ METAVARS: dict[Callable[[Any], Any], str] = {
 }  # fmt: skip
 
 
-def _attr(name: str) -> str:
-    return name.replace("-", "_")
-
-
 @dataclass(slots=True)
 class Config:
     """Resolved settings; attribute names are the dashed names with underscores."""
