@@ -1,11 +1,14 @@
 """NVMe tier throughput against fio --direct=1 on the same folder, and index rebuild time.
 
-    python bench/bench_nvme.py --dir /tmp/x [--sizes 1,8,32] [--total-mib 512] [--threads 4]
+    python bench/bench_nvme.py --dir /tmp/x [--sizes 256KiB,1MiB,8MiB,32MiB] [--total-mib 512]
+                               [--threads 4]
                                [--in-flight N] [--fsync always,batch,never] [--repeat 3]
                                [--scan-counts 10000,100000]
 
-For each chunk size and ``nvme-fsync`` policy: the tier writes ``--total-mib`` of chunks (each a
-file: temp file, O_DIRECT writes, rename, and the policy's syncs) on ``--threads`` io threads
+For each chunk size and ``nvme-fsync`` policy: the tier writes ``--total-mib`` of chunks (up to
+``nvme-slab-max``, 1 MiB by default, each a slot of a slab file: one O_DIRECT write at an offset;
+larger ones each a file: temp file, O_DIRECT writes, rename; then the policy's syncs; the layout
+column says which) on ``--threads`` io threads
 with ``--in-flight`` puts awaited at once (default: as many as threads; more let ``batch``
 group its syncs while the disk still sees ``--threads`` writes), then reads them all back
 (checksum verified). fio runs in the same folder with the same block size and job count,
@@ -32,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstrata.config import format_size, parse_size
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_format as fmt
 from kvstrata.tiers._nvme_sync import POLICIES
@@ -80,7 +84,8 @@ async def tier_rw(
     started = time.perf_counter()
     await asyncio.gather(*(get(m) for m in metas))
     read = size * count / (time.perf_counter() - started) / 1e9
-    mode = tier.info()["io"]
+    info = tier.info()
+    mode = f"{info['io']}, {'slabs' if info.get('slab_chunks') else 'files'}"
     await tier.close()
     return write, read, mode
 
@@ -134,13 +139,13 @@ async def timed_scan(folder: Path, threads: int) -> tuple[float, int]:
 
 def rw_table(a: argparse.Namespace, policies: list[str]) -> None:
     """Median GB/s per size of the tier under each policy and of fio, runs alternated."""
-    head = f"{'op':<6}{'chunk':>6}{'fio':>7}{'fio+fsync':>10}"
+    head = f"{'op':<6}{'chunk':>7}{'fio':>7}{'fio+fsync':>10}"
     head += "".join(f"{p:>9}{'ratio':>6}" for p in policies)
     flight = a.in_flight or a.threads
     print(f"GB/s, median of {a.repeat} alternated runs; ratio = tier / plain fio; {a.threads} io "
           f"threads = fio jobs, {flight} tier ops in flight\n{head}")  # fmt: skip
-    for mib in (int(s) for s in a.sizes.split(",") if s):
-        size, count = mib * MiB, max(a.threads, a.total_mib // mib)
+    for size in (parse_size(s) for s in a.sizes.split(",") if s):
+        count, mib = max(a.threads, a.total_mib * MiB // size), format_size(size)
         runs: dict[str, list[float]] = {}
         mode = ""
         for _ in range(a.repeat):
@@ -162,7 +167,7 @@ def rw_table(a: argparse.Namespace, policies: list[str]) -> None:
         for op in ("write", "read"):
             plain = med.get(f"{op} fio", math.nan)
             synced = med.get("write fio+fsync", math.nan) if op == "write" else math.nan
-            row = f"{op:<6}{mib:>4}Mi{plain:>7.2f}{synced:>10.2f}"
+            row = f"{op:<6}{mib:>7}{plain:>7.2f}{synced:>10.2f}"
             for policy in policies:
                 got = med[f"{op} {policy}"]
                 row += f"{got:>9.2f}{got / plain:>6.2f}"
@@ -172,7 +177,7 @@ def rw_table(a: argparse.Namespace, policies: list[str]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", required=True, type=Path, help="folder on the disk to measure")
-    p.add_argument("--sizes", default="1,8,32", help="chunk sizes in MiB")
+    p.add_argument("--sizes", default="256KiB,1MiB,8MiB,32MiB", help="chunk sizes")
     p.add_argument("--total-mib", type=int, default=512, help="bytes moved per size and test")
     p.add_argument("--threads", type=int, default=4, help="io threads = puts in flight = fio jobs")
     p.add_argument(
