@@ -15,14 +15,16 @@ group its syncs while the disk still sees ``--threads`` writes), then reads them
 ``--direct=1 --ioengine=psync``, plain (read and write) and with ``--fsync=1`` (an fsync after
 every block). The runs alternate (tier under every policy, then
 fio) ``--repeat`` times and the table gives medians: the disk of a shared VM swings by ±50 %.
-The rebuild part lays out N small chunk files with the tier's format and times ``scan()`` of a
-fresh tier ``--repeat`` times (page cache dropped first when allowed).
+The rebuild part lays out N small chunks of 1 KiB, as chunk files (the format of versions before
+slabs, and of chunks over ``nvme-slab-max``) and as slab slots, and times ``scan()`` of a fresh
+tier ``--repeat`` times (page cache dropped first when allowed).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import mmap
@@ -128,6 +130,20 @@ def lay_out(folder: Path, count: int, payload: int) -> None:
             f.write(data)
 
 
+async def lay_out_slabs(folder: Path, count: int, payload: int) -> None:
+    """Write ``count`` chunks into slab slots through the tier (fsync never)."""
+    tier = NvmeTier(NvmeConfig(str(folder), capacity=1 << 50, fsync="never"))
+    data = b"\x5a" * payload
+    csum = checksum(data)
+    for start in range(0, count, 1024):
+        await tier.put_many([
+            (ChunkMeta(ChunkKey("scan", i.to_bytes(8, "big")), b"", i, payload, csum), data)
+            for i in range(start, min(count, start + 1024))
+        ])  # fmt: skip
+    assert tier.info()["slab_chunks"] == count
+    await tier.close()
+
+
 async def timed_scan(folder: Path, threads: int) -> tuple[float, int]:
     tier = NvmeTier(NvmeConfig(str(folder), capacity=1 << 50, io_threads=threads))
     started = time.perf_counter()
@@ -192,16 +208,23 @@ def main() -> None:
     policies = [x for x in a.fsync.split(",") if x]
     if a.sizes:
         rw_table(a, policies)
-    print(f"\n{'scan chunks':>12}{'seconds':>10}{'chunks/s':>11}  cache")
-    for count in (int(c) for c in a.scan_counts.split(",") if c):
-        folder = a.dir / f"scan-{count}"
-        lay_out(folder, count, 1024)
+    layouts = ["files"] + (["slabs"] if "slab_max" in NvmeConfig.__dataclass_fields__ else [])
+    print(f"\n{'layout':<7}{'scan chunks':>12}{'seconds':>10}{'chunks/s':>11}  cache")
+    for count, layout in itertools.product(
+        (int(c) for c in a.scan_counts.split(",") if c), layouts
+    ):
+        folder = a.dir / f"scan-{count}-{layout}"
+        if layout == "files":
+            lay_out(folder, count, 1024)
+        else:
+            asyncio.run(lay_out_slabs(folder, count, 1024))
         for _ in range(a.repeat):
             cold = drop_caches()
             seconds, found = asyncio.run(timed_scan(folder, a.threads))
             assert found == count, (found, count)
             rate = count / seconds
-            print(f"{count:>12}{seconds:>10.2f}{rate:>11.0f}  {'cold' if cold else 'warm'}")
+            print(f"{layout:<7}{count:>12}{seconds:>10.2f}{rate:>11.0f}  "
+                  f"{'cold' if cold else 'warm'}")  # fmt: skip
         shutil.rmtree(folder)
 
 

@@ -441,3 +441,37 @@ def test_kvikio_backend_writes_and_reads_slots_in_the_same_format(
     run(tmp_path, with_kvikio, backend="posix", direct="no")
     run(tmp_path, with_posix, backend="posix")
     run(tmp_path, kvikio_again, backend="posix")
+
+
+def test_read_racing_an_overwrite_reads_the_new_slot(tmp_path: Path) -> None:
+    """A read starts on a chunk's slot; before it reads, an overwrite of the chunk publishes a
+    new slot and invalidates (frees) the old one. The read does not report a miss for a chunk
+    that is there: it follows the index to the new slot and returns the new bytes."""
+    old, old_data = chunk(1, 40_000)
+    new, new_data = chunk(1, 40_000, seed=4)
+
+    async def body(tier: NvmeTier) -> None:
+        await tier.put(old, old_data)
+        loop = asyncio.get_running_loop()
+        real = tier._slabs.read
+        calls = []
+
+        def read(*args: Any) -> ChunkMeta:
+            if not calls:  # the first read: let the overwrite finish before it reads
+                asyncio.run_coroutine_threadsafe(tier.put(new, new_data), loop).result()
+            calls.append(args[1])
+            return real(*args)
+
+        tier._slabs.read = read  # type: ignore[method-assign]
+        assert await read_chunk(tier, new) == new_data
+        assert len(calls) == 2 and calls[0] != calls[1]
+        assert tier.stats.integrity_errors == 0 and tier.info()["slots_invalid"] == 0
+
+    run(tmp_path, body)
+
+
+async def read_chunk(tier: NvmeTier, meta: ChunkMeta) -> bytes:
+    out = bytearray(meta.size)
+    got = await tier.get(meta.key, memoryview(out))
+    assert got.key == meta.key and got.checksum == meta.checksum
+    return bytes(out)

@@ -14,7 +14,7 @@ the others, which the tier invalidates (slots) or removes (files) so they never 
 from __future__ import annotations
 
 import os
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -23,6 +23,8 @@ from kvstrata.tiers._nvme_format import FLAG_SLOT, HEADER_SIZE, BadHeader, decod
 from kvstrata.tiers._nvme_io import _staging
 from kvstrata.tiers._nvme_scan import quarantine
 from kvstrata.tiers._nvme_slabs import SLAB_SUFFIX, Slab, Slabs, SlotRef, decode_slab_header
+
+WINDOW_SLOT_MAX = 64 * 1024  # slots up to this size are read a window at a time at start
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +70,13 @@ def scan_slab(slabs: Slabs, root: str, number: int) -> SlabScan:
     grown = min(max_slots, max(0, size - HEADER_SIZE) // slot_size)
     slab = Slab(number, path, fd, slot_size, max_slots, grown, fresh=grown)
     free: list[int] = []
-    for slot in range(grown):
-        offset = slab.offset(slot)
-        got = os.preadv(fd, [stage], offset)
-        found = _slot(bytes(stage[:got]), slab, slot)
+    for slot, block in _headers(fd, slab):
+        found = _slot(block, slab, slot)
         if isinstance(found, SlotFound):
             result.found.append(found)
-            continue
-        free.append(slot)
-        result.invalid += found
+        else:
+            free.append(slot)
+            result.invalid += found
     free.reverse()  # the allocator pops from the end: lowest slots first
     slabs.adopt(slab, free)
     return result
@@ -87,6 +87,21 @@ def scan_slabs(slabs: Slabs, root: str, threads: int) -> list[SlabScan]:
     numbers, slabs.unscanned = slabs.unscanned, []
     with ThreadPoolExecutor(threads, thread_name_prefix="kvstrata-nvme-scan") as pool:
         return list(pool.map(lambda n: scan_slab(slabs, root, n), numbers))
+
+
+def _headers(fd: int, slab: Slab) -> Iterator[tuple[int, bytes]]:
+    """(slot, header block) of every slot in the file. Small slots are read a window of
+    consecutive slots at a time (one large sequential read beats thousands of 4 KiB ones, and
+    the payloads read along cost at most 15× the headers); large ones header by header."""
+    stage = _staging()
+    per = max(1, len(stage) // slab.slot_size) if slab.slot_size <= WINDOW_SLOT_MAX else 1
+    for first in range(0, slab.grown, per):
+        n = min(per, slab.grown - first)
+        span = stage[: (n - 1) * slab.slot_size + HEADER_SIZE]
+        got = os.preadv(fd, [span], slab.offset(first))
+        for i in range(n):
+            at = i * slab.slot_size
+            yield first + i, bytes(span[at : min(got, at + HEADER_SIZE)]) if got > at else b""
 
 
 def _slot(block: bytes, slab: Slab, slot: int) -> SlotFound | int:

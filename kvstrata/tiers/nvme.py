@@ -1,24 +1,28 @@
-"""The NVMe tier: one checksummed file per chunk, written atomically, verified on every read.
+"""The NVMe tier: checksummed chunks on local disk, written atomically, verified on every read.
 
-Files live under the tier folder as ``{2 hex}/{64 hex}.kvc`` (format in ``_nvme_format``).
-A write goes to a temporary file in the same folder and is renamed over the final name, so after
-kill -9 a chunk is either complete or absent; the ``fsync`` policy (``_nvme_sync``: ``always``,
-``batch`` — the default, group commit —, ``never``) says when it is also power-loss durable, and
-a put returns only then. A read lands in the caller's buffer and is checked against the
-header's xxh3-128; a mismatch quarantines the file and raises :class:`IntegrityError` — wrong
-bytes never leave.
+Two layouts with one header format (``_nvme_format``): a chunk of at most ``nvme-slab-max``
+bytes (1 MiB by default) is a slot of a preallocated slab file (``_nvme_slabs``: one aligned
+write at an offset, no file per chunk); a larger one is a file ``{2 hex}/{64 hex}.kvc``,
+written to a temporary file and renamed over the final name. After kill -9 a chunk is complete
+or absent (a torn slot fails its checksums and is freed, never served); the ``fsync`` policy
+(``_nvme_sync``: ``always``, ``batch`` — the default, group commit —, ``never``) says when it is
+also power-loss durable, and a put returns only then. A read lands in the caller's buffer and is
+checked against the header's xxh3-128; a mismatch quarantines the file (or invalidates the
+slot) and raises :class:`IntegrityError` — wrong bytes never leave.
 
 I/O runs on a bounded thread pool (``io_threads``) through one of two backends with the same
 format: kvikio (when ``import kvikio`` works and CUDA is usable) or POSIX (O_DIRECT when the
-filesystem allows it, buffered otherwise). ``scan()`` rebuilds the index from headers at start.
+filesystem allows it, buffered otherwise). ``scan()`` rebuilds the index from headers at start:
+chunk files (also those of versions before slabs: served, and replaced by a slot when the chunk
+is written again or evicted — never migrated in the background) and slab slots.
 
-``used`` counts the disk space of the committed chunk files with 4 KiB blocks (4096-byte header
-plus the payload rounded up to 4096); writes in flight count against ``capacity`` too.
+``used`` counts the disk space of committed chunks: a file's 4096-byte header plus the payload
+rounded up to 4096, or the size of its slot; writes in flight count against ``capacity`` too.
 Writes and deletes of one key are serialized (the second waits for the first) so that the
-index always agrees with the file on disk; reads are not, and see the old or the new file. A
-read that finds its file missing or corrupt drops the index entry only if it is still the one
-the read started from (a delete and a new put may have finished meanwhile), and quarantines
-only the file it read, never one renamed over it since.
+index always agrees with the disk; reads are not, and see the old or the new copy. A read
+that finds its copy missing or corrupt drops the index entry only if it is still the one the
+read started from (a delete and a new put may have finished meanwhile), and quarantines only
+the file it read, never one renamed over it since (a slot reused meanwhile is a plain miss).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ __all__ = ["NvmeConfig", "NvmeTier"]
 log = logging.getLogger(__name__)
 SHARDS = [f"{i:02x}" for i in range(256)]
 SCAN_THREADS = 16
+SLOT_READ_TRIES = 3  # a read whose slot keeps being replaced under it gives up (a miss)
 
 
 def _byte_view(data: Buffer) -> memoryview:
@@ -66,7 +71,7 @@ def _byte_view(data: Buffer) -> memoryview:
 
 
 class NvmeTier(Tier):
-    """Chunk files in one folder; see the module docstring."""
+    """Chunk files and slab files in one folder; see the module docstring."""
 
     name = "nvme"
     persistent = True
@@ -223,16 +228,22 @@ class NvmeTier(Tier):
         self, key: ChunkKey, meta: ChunkMeta, ref: SlotRef, dst: memoryview
     ) -> ChunkMeta:
         """Read a slot; one that fails its checks while still the chunk's copy is invalidated
-        (free for reuse, never served); one replaced or deleted meanwhile is a plain miss."""
-        try:
-            return await self._run(self._slabs.read, key, ref, dst, meta)
-        except SlotMismatch as exc:
-            if self._where.get(key) is not ref:
-                raise FileNotFoundError(key.hex) from None
-            self._forget(key, meta)  # before the await: no second reader frees the slot too
-            self.stats.extra["slots_invalid"] += 1
-            await self._run_quietly(self._slabs.invalidate, ref)
-            raise Corrupt(str(exc), quarantined=False) from None
+        (free for reuse, never served). When an overwrite moved the chunk to another slot
+        meanwhile, that slot is read instead; a chunk deleted meanwhile is a plain miss."""
+        for _ in range(SLOT_READ_TRIES):
+            try:
+                return await self._run(self._slabs.read, key, ref, dst, meta)
+            except SlotMismatch as exc:
+                current = self._where.get(key)
+                if current is ref:
+                    self._forget(key, meta)  # before the await: no other reader frees it too
+                    self.stats.extra["slots_invalid"] += 1
+                    await self._run_quietly(self._slabs.invalidate, ref)
+                    raise Corrupt(str(exc), quarantined=False) from None
+                if current is None or self._index[key].size > dst.nbytes:
+                    break
+                ref, meta = current, self._index[key]
+        raise FileNotFoundError(key.hex)
 
     async def delete(self, key: ChunkKey) -> bool:
         await self._acquire(key)
