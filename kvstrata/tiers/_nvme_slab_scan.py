@@ -13,17 +13,22 @@ the others, which the tier invalidates (slots) or removes (files) so they never 
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.tiers._nvme_files import ChunkFiles
 from kvstrata.tiers._nvme_format import FLAG_SLOT, HEADER_SIZE, BadHeader, decode_header
 from kvstrata.tiers._nvme_io import _staging
-from kvstrata.tiers._nvme_scan import quarantine
+from kvstrata.tiers._nvme_scan import quarantine, scan_all
 from kvstrata.tiers._nvme_slabs import SLAB_SUFFIX, Slab, Slabs, SlotRef, decode_slab_header
+from kvstrata.tiers._nvme_sync import SYNC_MARKER
 
+log = logging.getLogger(__name__)
 WINDOW_SLOT_MAX = 64 * 1024  # slots up to this size are read a window at a time at start
 
 
@@ -51,6 +56,60 @@ class Resolved:
     slots: list[SlotFound]
     stale_slots: list[SlotRef]
     stale_files: list[ChunkKey]
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuilt:
+    """What :func:`rebuild` found and kept, and what it dropped."""
+
+    files: list[ChunkMeta]
+    slots: list[SlotFound]
+    quarantined: int
+    temp_removed: int
+    slots_invalid: int
+    stale: int
+
+
+def rebuild(
+    files: ChunkFiles,
+    slabs: Slabs,
+    shards: list[str],
+    threads: int,
+    known: Container[ChunkKey],
+    known_slots: Container[ChunkKey],
+) -> Rebuilt:
+    """Blocking, at start: scan the chunk files (``_nvme_scan``) and the slab files, keep the
+    newest copy of each chunk (:func:`resolve`; ``known``: chunks written since the tier
+    opened) and drop the stale ones (slots invalidated, files removed; a failure is logged and
+    the copy loses again at the next start)."""
+    root = files.root
+    keep = {".kvstrata-probe", SYNC_MARKER}
+    shard_results, moved = scan_all(root, shards, frozenset(files.in_flight), threads, keep)
+    slab_results = scan_slabs(slabs, root, threads)
+    found = [item for shard in shard_results for item in shard.found]
+    slots = [slot for slab in slab_results for slot in slab.found]
+    kept = resolve(found, slots, known, known_slots)
+    for ref in kept.stale_slots:
+        _quietly(slabs.invalidate, ref)
+    for key in kept.stale_files:
+        _quietly(files.delete, key)
+    return Rebuilt(
+        kept.files,
+        kept.slots,
+        moved
+        + sum(s.quarantined for s in shard_results)
+        + sum(s.quarantined for s in slab_results),
+        sum(s.temp_removed for s in shard_results),
+        sum(s.invalid for s in slab_results),
+        len(kept.stale_slots) + len(kept.stale_files),
+    )
+
+
+def _quietly(fn: Callable[[Any], None], arg: Any) -> None:
+    try:
+        fn(arg)
+    except OSError as exc:
+        log.warning("nvme: dropping a stale copy at start failed: %s", exc)
 
 
 def scan_slab(slabs: Slabs, root: str, number: int) -> SlabScan:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
-from kvstrata.tiers import _nvme_scan, _nvme_slab_scan
+from kvstrata.tiers import _nvme_slab_scan
 from kvstrata.tiers._nvme_config import NvmeConfig, prepare_folder
 from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt, unlink_quietly
 from kvstrata.tiers._nvme_format import file_bytes
@@ -274,47 +274,33 @@ class NvmeTier(Tier):
         """Rebuild the index from the folder (headers only) and yield every chunk found."""
         self._check_open()
         started = time.perf_counter()
-        in_flight = frozenset(self._files.in_flight)
-        threads = max(SCAN_THREADS, self.config.io_threads)
-        keep = {".kvstrata-probe", SYNC_MARKER}
-        shards, moved = await asyncio.get_running_loop().run_in_executor(
-            self._pool, _nvme_scan.scan_all, self.root, SHARDS, in_flight, threads, keep
-        )
-        slabs = await asyncio.get_running_loop().run_in_executor(
-            self._pool, _nvme_slab_scan.scan_slabs, self._slabs, self.root, threads
-        )
-        files = [item for shard in shards for item in shard.found]
-        slots = [slot for slab in slabs for slot in slab.found]
-        kept = _nvme_slab_scan.resolve(files, slots, self._index.keys(), self._where.keys())
-        found = [*kept.files, *(slot.meta for slot in kept.slots)]
-        for meta in kept.files:
+        rebuilt = await asyncio.get_running_loop().run_in_executor(
+            self._pool, _nvme_slab_scan.rebuild, self._files, self._slabs, SHARDS,
+            max(SCAN_THREADS, self.config.io_threads), set(self._index), set(self._where),
+        )  # fmt: skip
+        for meta in rebuilt.files:
             self._index[meta.key] = meta
-        for slot in kept.slots:
+        for slot in rebuilt.slots:
             self._index[slot.meta.key], self._where[slot.meta.key] = slot.meta, slot.ref
-        for ref in kept.stale_slots:
-            await self._run_quietly(self._slabs.invalidate, ref)
-        for key in kept.stale_files:
-            await self._run_quietly(self._files.delete, key)
         self._used = sum(self._cost(m, self._where.get(k)) for k, m in self._index.items())
         self.stats.chunks = len(self._index)
-        self.stats.extra["slots_invalid"] += sum(slab.invalid for slab in slabs)
-        quarantined = moved + sum(s.quarantined for s in shards)
-        quarantined += sum(slab.quarantined for slab in slabs)
-        self.stats.extra["quarantined"] += quarantined
+        self.stats.extra["slots_invalid"] += rebuilt.slots_invalid
+        self.stats.extra["quarantined"] += rebuilt.quarantined
+        found = [*rebuilt.files, *(slot.meta for slot in rebuilt.slots)]
         report = RebuildReport(
             chunks=len(found),
             bytes=sum(m.size for m in found),
             seconds=time.perf_counter() - started,
-            quarantined=quarantined,
-            temp_removed=sum(s.temp_removed for s in shards),
-            slots_invalid=sum(slab.invalid for slab in slabs),
-            stale=len(kept.stale_slots) + len(kept.stale_files),
+            quarantined=rebuilt.quarantined,
+            temp_removed=rebuilt.temp_removed,
+            slots_invalid=rebuilt.slots_invalid,
+            stale=rebuilt.stale,
         )
         self.rebuild_report = report
         log.info(
             "nvme: rebuilt index from %s: %d chunks (%d in slabs), %d bytes, %d quarantined, %d "
             "temp files removed, %d torn or corrupt slots freed, %d stale copies dropped in %.3f s",
-            self.root, report.chunks, len(kept.slots), report.bytes, report.quarantined,
+            self.root, report.chunks, len(rebuilt.slots), report.bytes, report.quarantined,
             report.temp_removed, report.slots_invalid, report.stale, report.seconds,
         )  # fmt: skip
         for meta in found:
