@@ -130,7 +130,8 @@ class NvmeTier(Tier):
         need = self._slabs.slot_size(meta.size) or file_bytes(meta.size)
         await self._acquire(meta.key)
         try:
-            self._space.recheck(self._held())
+            if self._space.limit is not None:  # only then does the disk's room matter
+                self._space.recheck(self._held())
             if self._used + self._pending + need > self.capacity:
                 raise TierFull(
                     f"nvme: {need} bytes do not fit ({self._used} used and {self._pending} "
@@ -271,7 +272,8 @@ class NvmeTier(Tier):
         return self._index.get(key)
 
     async def scan(self) -> AsyncIterator[ChunkMeta]:
-        """Rebuild the index from the folder (headers only) and yield every chunk found."""
+        """Rebuild the index from the folder (headers only) and yield every chunk it holds
+        (those written since the tier opened too)."""
         self._check_open()
         started = time.perf_counter()
         rebuilt = await asyncio.get_running_loop().run_in_executor(
@@ -286,7 +288,7 @@ class NvmeTier(Tier):
         self.stats.chunks = len(self._index)
         self.stats.extra["slots_invalid"] += rebuilt.slots_invalid
         self.stats.extra["quarantined"] += rebuilt.quarantined
-        found = [*rebuilt.files, *(slot.meta for slot in rebuilt.slots)]
+        found = list(self._index.values())  # what was known already, too (a second scan)
         report = RebuildReport(
             chunks=len(found),
             bytes=sum(m.size for m in found),
