@@ -475,3 +475,24 @@ async def read_chunk(tier: NvmeTier, meta: ChunkMeta) -> bytes:
     got = await tier.get(meta.key, memoryview(out))
     assert got.key == meta.key and got.checksum == meta.checksum
     return bytes(out)
+
+
+def test_a_slab_read_at_start_keeps_growing(tmp_path: Path) -> None:
+    """A slab file whose grown slots are all used when the tier restarts takes the next chunk
+    of its size by growing, instead of a new slab file per restart."""
+    items = [chunk(i, MiB) for i in range(7)]  # one 8 MiB growth step of 1 MiB slots
+
+    async def write(tier: NvmeTier) -> None:
+        await tier.put_many(items)
+
+    async def reopen(tier: NvmeTier) -> None:
+        (slab,) = slab_files(tmp_path)
+        size = slab.stat().st_size
+        assert tier.info()["slab_spare"] == 0
+        extra, data = chunk(8, MiB)
+        await tier.put(extra, data)
+        assert slab_files(tmp_path) == [slab] and slab.stat().st_size > size
+        assert await read(tier, extra) == data and await read(tier, items[0][0]) == items[0][1]
+
+    run(tmp_path, write)
+    run(tmp_path, reopen)

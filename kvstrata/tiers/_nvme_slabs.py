@@ -26,7 +26,7 @@ import itertools
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers._nvme_format import HEADER_SIZE, BadHeader, decode_header, encode_header
@@ -72,7 +72,6 @@ class Slab:
     max_slots: int
     grown: int
     fresh: int = 0
-    free: list[int] = field(default_factory=list)
 
     def offset(self, slot: int) -> int:
         return HEADER_SIZE + slot * self.slot_size
@@ -138,11 +137,6 @@ class Slabs:
     def slot_size(self, size: int) -> int:
         return slot_size_for(size, self.limit)
 
-    def next_generation(self, at_least: int = 0) -> int:
-        with self._lock:
-            self._generation = max(self._generation + 1, at_least)
-            return self._generation
-
     def spare_bytes(self) -> int:
         """Disk space the slab files hold for new slots without growing (free + fresh)."""
         with self._lock:
@@ -202,9 +196,12 @@ class Slabs:
             return
 
     def adopt(self, slab: Slab, free: list[int]) -> None:
-        """Take a slab file read at start, with its free slots."""
+        """Take a slab file read at start, with its free slots; one with room to grow serves
+        new slots of its size unless a slab made since start already does."""
         with self._lock:
             self.slabs[slab.number] = slab
+            if slab.grown < slab.max_slots:
+                self._growing.setdefault(slab.slot_size, slab)
             self._free.setdefault(slab.slot_size, []).extend((slab.number, i) for i in free)
             self._generation = max(self._generation, time.time_ns())
 
