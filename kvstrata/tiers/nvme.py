@@ -428,7 +428,8 @@ class NvmeTier(Tier):
         """``batch``: wait for the group sync covering a slot write or invalidation."""
         assert self._group is not None
         try:
-            await asyncio.wrap_future(self._group.submit(self._slabs.dup(ref)))
+            fd = self._slabs.dup(ref) if self._group.per_file else -1  # O_DIRECT: no fsync
+            await asyncio.wrap_future(self._group.submit(fd))
         except OSError as exc:
             raise self._io_error("group sync", exc) from exc
 
