@@ -1,25 +1,30 @@
 """NVMe tier throughput against fio --direct=1 on the same folder, and index rebuild time.
 
-    python bench/bench_nvme.py --dir /tmp/x [--sizes 1,8,32] [--total-mib 512] [--threads 4]
+    python bench/bench_nvme.py --dir /tmp/x [--sizes 256KiB,1MiB,8MiB,32MiB] [--total-mib 512]
+                               [--threads 4]
                                [--in-flight N] [--fsync always,batch,never] [--repeat 3]
                                [--scan-counts 10000,100000]
 
-For each chunk size and ``nvme-fsync`` policy: the tier writes ``--total-mib`` of chunks (each a
-file: temp file, O_DIRECT writes, rename, and the policy's syncs) on ``--threads`` io threads
+For each chunk size and ``nvme-fsync`` policy: the tier writes ``--total-mib`` of chunks (up to
+``nvme-slab-max``, 1 MiB by default, each a slot of a slab file: one O_DIRECT write at an offset;
+larger ones each a file: temp file, O_DIRECT writes, rename; then the policy's syncs; the layout
+column says which) on ``--threads`` io threads
 with ``--in-flight`` puts awaited at once (default: as many as threads; more let ``batch``
 group its syncs while the disk still sees ``--threads`` writes), then reads them all back
 (checksum verified). fio runs in the same folder with the same block size and job count,
 ``--direct=1 --ioengine=psync``, plain (read and write) and with ``--fsync=1`` (an fsync after
 every block). The runs alternate (tier under every policy, then
 fio) ``--repeat`` times and the table gives medians: the disk of a shared VM swings by ±50 %.
-The rebuild part lays out N small chunk files with the tier's format and times ``scan()`` of a
-fresh tier ``--repeat`` times (page cache dropped first when allowed).
+The rebuild part lays out N small chunks of 1 KiB, as chunk files (the format of versions before
+slabs, and of chunks over ``nvme-slab-max``) and as slab slots, and times ``scan()`` of a fresh
+tier ``--repeat`` times (page cache dropped first when allowed).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import mmap
@@ -32,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstrata.config import format_size, parse_size
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_format as fmt
 from kvstrata.tiers._nvme_sync import POLICIES
@@ -80,7 +86,8 @@ async def tier_rw(
     started = time.perf_counter()
     await asyncio.gather(*(get(m) for m in metas))
     read = size * count / (time.perf_counter() - started) / 1e9
-    mode = tier.info()["io"]
+    info = tier.info()
+    mode = f"{info['io']}, {'slabs' if info.get('slab_chunks') else 'files'}"
     await tier.close()
     return write, read, mode
 
@@ -123,6 +130,20 @@ def lay_out(folder: Path, count: int, payload: int) -> None:
             f.write(data)
 
 
+async def lay_out_slabs(folder: Path, count: int, payload: int) -> None:
+    """Write ``count`` chunks into slab slots through the tier (fsync never)."""
+    tier = NvmeTier(NvmeConfig(str(folder), capacity=1 << 50, fsync="never"))
+    data = b"\x5a" * payload
+    csum = checksum(data)
+    for start in range(0, count, 1024):
+        await tier.put_many([
+            (ChunkMeta(ChunkKey("scan", i.to_bytes(8, "big")), b"", i, payload, csum), data)
+            for i in range(start, min(count, start + 1024))
+        ])  # fmt: skip
+    assert tier.info()["slab_chunks"] == count
+    await tier.close()
+
+
 async def timed_scan(folder: Path, threads: int) -> tuple[float, int]:
     tier = NvmeTier(NvmeConfig(str(folder), capacity=1 << 50, io_threads=threads))
     started = time.perf_counter()
@@ -134,13 +155,13 @@ async def timed_scan(folder: Path, threads: int) -> tuple[float, int]:
 
 def rw_table(a: argparse.Namespace, policies: list[str]) -> None:
     """Median GB/s per size of the tier under each policy and of fio, runs alternated."""
-    head = f"{'op':<6}{'chunk':>6}{'fio':>7}{'fio+fsync':>10}"
+    head = f"{'op':<6}{'chunk':>7}{'fio':>7}{'fio+fsync':>10}"
     head += "".join(f"{p:>9}{'ratio':>6}" for p in policies)
     flight = a.in_flight or a.threads
     print(f"GB/s, median of {a.repeat} alternated runs; ratio = tier / plain fio; {a.threads} io "
           f"threads = fio jobs, {flight} tier ops in flight\n{head}")  # fmt: skip
-    for mib in (int(s) for s in a.sizes.split(",") if s):
-        size, count = mib * MiB, max(a.threads, a.total_mib // mib)
+    for size in (parse_size(s) for s in a.sizes.split(",") if s):
+        count, mib = max(a.threads, a.total_mib * MiB // size), format_size(size)
         runs: dict[str, list[float]] = {}
         mode = ""
         for _ in range(a.repeat):
@@ -162,7 +183,7 @@ def rw_table(a: argparse.Namespace, policies: list[str]) -> None:
         for op in ("write", "read"):
             plain = med.get(f"{op} fio", math.nan)
             synced = med.get("write fio+fsync", math.nan) if op == "write" else math.nan
-            row = f"{op:<6}{mib:>4}Mi{plain:>7.2f}{synced:>10.2f}"
+            row = f"{op:<6}{mib:>7}{plain:>7.2f}{synced:>10.2f}"
             for policy in policies:
                 got = med[f"{op} {policy}"]
                 row += f"{got:>9.2f}{got / plain:>6.2f}"
@@ -172,7 +193,7 @@ def rw_table(a: argparse.Namespace, policies: list[str]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", required=True, type=Path, help="folder on the disk to measure")
-    p.add_argument("--sizes", default="1,8,32", help="chunk sizes in MiB")
+    p.add_argument("--sizes", default="256KiB,1MiB,8MiB,32MiB", help="chunk sizes")
     p.add_argument("--total-mib", type=int, default=512, help="bytes moved per size and test")
     p.add_argument("--threads", type=int, default=4, help="io threads = puts in flight = fio jobs")
     p.add_argument(
@@ -187,16 +208,23 @@ def main() -> None:
     policies = [x for x in a.fsync.split(",") if x]
     if a.sizes:
         rw_table(a, policies)
-    print(f"\n{'scan chunks':>12}{'seconds':>10}{'chunks/s':>11}  cache")
-    for count in (int(c) for c in a.scan_counts.split(",") if c):
-        folder = a.dir / f"scan-{count}"
-        lay_out(folder, count, 1024)
+    layouts = ["files"] + (["slabs"] if "slab_max" in NvmeConfig.__dataclass_fields__ else [])
+    print(f"\n{'layout':<7}{'scan chunks':>12}{'seconds':>10}{'chunks/s':>11}  cache")
+    for count, layout in itertools.product(
+        (int(c) for c in a.scan_counts.split(",") if c), layouts
+    ):
+        folder = a.dir / f"scan-{count}-{layout}"
+        if layout == "files":
+            lay_out(folder, count, 1024)
+        else:
+            asyncio.run(lay_out_slabs(folder, count, 1024))
         for _ in range(a.repeat):
             cold = drop_caches()
             seconds, found = asyncio.run(timed_scan(folder, a.threads))
             assert found == count, (found, count)
             rate = count / seconds
-            print(f"{count:>12}{seconds:>10.2f}{rate:>11.0f}  {'cold' if cold else 'warm'}")
+            print(f"{layout:<7}{count:>12}{seconds:>10.2f}{rate:>11.0f}  "
+                  f"{'cold' if cold else 'warm'}")  # fmt: skip
         shutil.rmtree(folder)
 
 

@@ -178,6 +178,16 @@ def _opt(name: str, default: Any, parse: Callable[[Any], Any], doc: str, **kw: A
     return Option(name, default, parse, doc, **kw)
 
 
+def _size_at_most(limit: int) -> Callable[[Any], int]:
+    def parse(text: Any) -> int:
+        n = parse_size(text)
+        if n > limit:
+            raise ValueError(f"must be at most {format_size(limit)}")
+        return n
+
+    return parse
+
+
 _SIZE = {"fmt": format_size}
 OPTIONS: tuple[Option, ...] = (
     # network and security
@@ -281,6 +291,9 @@ OPTIONS: tuple[Option, ...] = (
     _opt("nvme-fsync", "batch", _choice("always", "batch", "never"),
          "When an NVMe write is acknowledged: always (fsync file + folder), batch (group "
          "commit, ext4/xfs), never (survives kill -9, not power loss)."),
+    _opt("nvme-slab-max", 1024**2, _size_at_most(4 * 1024**2),
+         "NVMe chunks up to this size are packed into slots of preallocated slab files, larger "
+         "ones get a file each (0: every chunk a file; at most 4MiB).", **_SIZE),
     _opt("nvme-high-watermark", 0.95, _ratio, "Evict from NVMe above this fill ratio.",
          mutable=True),
     _opt("nvme-low-watermark", 0.85, _ratio, "…down to this fill ratio.", mutable=True),

@@ -45,7 +45,7 @@ from kvstrata.tiers.checksum import checksum
 from kvstrata.tiers.dram import DramConfig, DramTier
 from kvstrata.tiers.gpu import GpuConfig, GpuTier
 from kvstrata.tiers.gpu_memory import HostMemory
-from kvstrata.tiers.gpu_nvme import chunk_path, kvikio_mode, load_from_nvme
+from kvstrata.tiers.gpu_nvme import kvikio_mode, load_from_nvme
 from kvstrata.tiers.gpu_select import gpu_available
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
 
@@ -320,7 +320,8 @@ async def bench_nvme_gpu(gpu: GpuTier, dram: DramTier, nvme: NvmeTier, size: int
     metas = [meta_of(200 + i, data) for i in range(n)]
     for m in metas:
         await nvme.put(m, data.data)
-    paths = [chunk_path(nvme.root, m) for m in metas]
+    where = {m.key: nvme.locate(m.key) for m in metas}  # a chunk file, or a slab slot
+    paths = sorted({loc[0] for loc in where.values() if loc is not None})
     how = ""
 
     async def to_gpu() -> None:
@@ -331,7 +332,7 @@ async def bench_nvme_gpu(gpu: GpuTier, dram: DramTier, nvme: NvmeTier, size: int
             drop_cache(p)
         drop_all_caches()
         for m in metas:
-            how = await load_from_nvme(gpu, nvme.root, m)
+            how = await load_from_nvme(gpu, nvme.root, m, at=where[m.key])
 
     direct = await timed(to_gpu, repeat)
     out = bytearray(size)

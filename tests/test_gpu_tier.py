@@ -290,10 +290,12 @@ def test_put_checks_size_and_closed_tier_refuses() -> None:
 # -- NVMe → GPU (POSIX path over the stand-in; kvikio path under -m gpu) ----------------------
 
 
-async def _nvme_with(tmp_path: Path, meta: ChunkMeta, data: bytes) -> Any:
+async def _nvme_with(tmp_path: Path, meta: ChunkMeta, data: bytes, slab_max: int = 0) -> Any:
+    """An NVMe tier holding one chunk: as a chunk file (``slab_max`` 0) or in a slab slot."""
     from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
 
-    nvme = NvmeTier(NvmeConfig(str(tmp_path / "nvme"), capacity=64 * MiB, io_threads=2))
+    config = NvmeConfig(str(tmp_path / "nvme"), capacity=64 * MiB, io_threads=2, slab_max=slab_max)
+    nvme = NvmeTier(config)
     async for _ in nvme.scan():
         pass
     await nvme.put(meta, data)
@@ -310,6 +312,36 @@ def test_nvme_to_gpu_posix_path(tmp_path: Path) -> None:
         out = bytearray(meta.size)
         await tier.get(meta.key, memoryview(out))
         assert out == data
+        await tier.close()
+        await nvme.close()
+
+    run(body)
+
+
+def test_nvme_to_gpu_reads_a_slab_slot_and_refuses_a_corrupt_one(tmp_path: Path) -> None:
+    """A chunk held in a slab slot loads from the offset the tier locates; a flipped payload
+    byte in the slot never publishes."""
+
+    async def body() -> None:
+        data = payload(20_000, 9)
+        meta = meta_of(data)
+        nvme = await _nvme_with(tmp_path, meta, data, slab_max=MiB)
+        path, base = nvme.locate(meta.key)
+        assert path.endswith(".slab") and base >= 4096
+        tier = host_tier()
+        assert await load_from_nvme(tier, nvme.root, meta, at=(path, base)) == "posix"
+        out = bytearray(meta.size)
+        await tier.get(meta.key, memoryview(out))
+        assert out == data
+        await tier.delete(meta.key)
+        with open(path, "r+b") as f:
+            f.seek(base + 4096 + 10_000)
+            byte = f.read(1)
+            f.seek(base + 4096 + 10_000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(IntegrityError, match="checksum"):
+            await load_from_nvme(tier, nvme.root, meta, at=(path, base))
+        assert not tier.has(meta.key) and nvme.locate(meta_of(data, 2).key) is None
         await tier.close()
         await nvme.close()
 

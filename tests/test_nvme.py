@@ -1,4 +1,8 @@
-"""NVMe tier specifics: restart, integrity, quarantine, injected I/O failures, kill -9."""
+"""NVMe tier specifics: restart, integrity, quarantine, injected I/O failures, kill -9.
+
+These tests pin the chunk-file layout (chunks over ``nvme-slab-max``, and files left by older
+versions): ``new_tier`` turns slabs off unless a test asks; slabs are in test_nvme_slabs.py.
+The kill -9 writer keeps the default, so its burst mixes slab slots and files."""
 
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ def chunk(i: int, size: int) -> tuple[ChunkMeta, bytes]:
 def new_tier(root: Path, **kw: Any) -> NvmeTier:
     kw.setdefault("capacity", 64 * MiB)
     kw.setdefault("io_threads", 2)
+    kw.setdefault("slab_max", 0)
     return NvmeTier(NvmeConfig(str(root), **kw))
 
 
@@ -272,7 +277,7 @@ def test_folder_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def deny(folder: str) -> None:
         raise PermissionError(errno.EACCES, "Permission denied", folder)
 
-    monkeypatch.setattr("kvstrata.tiers.nvme.probe_writable", deny)
+    monkeypatch.setattr("kvstrata.tiers._nvme_config.probe_writable", deny)
     with pytest.raises(TierUnavailable, match=str(tmp_path / "ro")):
         new_tier(tmp_path / "ro")
 

@@ -25,13 +25,17 @@ def _mode(path: Path) -> int:
 
 
 def _put_one(root: Path) -> None:
-    data = b"secret prompt KV" * 300
-    meta = ChunkMeta(ChunkKey("modes@test", b"\x01" * 32), b"", 1, len(data), checksum(data))
+    """One small chunk (a slab slot) and one over nvme-slab-max (a chunk file)."""
+    small, large = b"secret prompt KV" * 300, b"secret prompt KV" * 65_600
+    metas = [
+        ChunkMeta(ChunkKey("modes@test", bytes([i]) * 32), b"", 1, len(data), checksum(data))
+        for i, data in enumerate((small, large))
+    ]
 
     async def main() -> None:
-        tier = NvmeTier(NvmeConfig(str(root), capacity=1 << 20, io_threads=1))
+        tier = NvmeTier(NvmeConfig(str(root), capacity=1 << 30, io_threads=1))
         try:
-            await tier.put(meta, data)
+            await tier.put_many(list(zip(metas, (small, large), strict=True)))
         finally:
             await tier.close()
 
@@ -40,7 +44,7 @@ def _put_one(root: Path) -> None:
 
 def test_nvme_files_and_folders_are_private_under_a_permissive_umask(tmp_path: Path) -> None:
     """Scenario: umask 000 (what a container often has); the tier creates its folder, shard
-    folders and a chunk file: none is readable by group or others."""
+    folders, a slab file and a chunk file: none is readable by group or others."""
     root = tmp_path / "nvme"
     old = os.umask(0)
     try:
@@ -49,7 +53,7 @@ def test_nvme_files_and_folders_are_private_under_a_permissive_umask(tmp_path: P
         os.umask(old)
     files = [p for p in root.rglob("*") if p.is_file()]
     folders = [root, *(p for p in root.rglob("*") if p.is_dir())]
-    assert any(p.suffix == ".kvc" for p in files)
+    assert {p.suffix for p in files} >= {".kvc", ".slab"}
     assert {oct(_mode(p)) for p in files} == {oct(0o600)}
     assert {oct(_mode(p)) for p in folders} == {oct(0o700)}
 

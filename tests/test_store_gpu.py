@@ -162,8 +162,10 @@ def test_lease_tier_errors_without_a_gpu_tier() -> None:
     run(main())
 
 
-async def _nvme_with(root: Path, chunks: dict[bytes, bytes]) -> NvmeTier:
-    nvme = NvmeTier(NvmeConfig(str(root), capacity=64 * MiB, io_threads=2))
+async def _nvme_with(root: Path, chunks: dict[bytes, bytes], slab_max: int = MiB) -> NvmeTier:
+    """An NVMe tier holding ``chunks``: in slab slots, or chunk files with ``slab_max`` 0."""
+    config = NvmeConfig(str(root), capacity=64 * MiB, io_threads=2, slab_max=slab_max)
+    nvme = NvmeTier(config)
     async for _ in nvme.scan():
         pass
     for h, data in chunks.items():
@@ -193,27 +195,32 @@ def test_nvme_only_chunk_is_leased_straight_into_the_gpu(
     run(main())
 
 
+@pytest.mark.parametrize("slab_max", [0, MiB], ids=["file", "slot"])
 def test_corrupt_nvme_file_is_never_leased_into_the_gpu(
-    tmp_path: Path, new_gpu: Callable[..., GpuTier]
+    tmp_path: Path, new_gpu: Callable[..., GpuTier], slab_max: int
 ) -> None:
-    """A flipped payload byte in the NVMe file: the slot is not published, the bad copy is
-    dropped (counted as an integrity error) and the lease is a miss, not wrong KV."""
+    """A flipped payload byte in the NVMe chunk file or slab slot: the slot is not published,
+    the bad copy is dropped (counted as an integrity error) and the lease is a miss, not
+    wrong KV."""
 
     async def main() -> None:
         data = payload(CHUNK, 3)
-        nvme = await _nvme_with(tmp_path / "nvme", {b"n": data})
-        path = chunk_path(nvme.root, meta_for(NS, b"n", data))
+        nvme = await _nvme_with(tmp_path / "nvme", {b"n": data}, slab_max)
+        path, base = nvme.locate(ChunkKey(NS, b"n"))
+        assert path == chunk_path(nvme.root, meta_for(NS, b"n", data)) or base > 0
         with open(path, "r+b") as f:
-            f.seek(4096 + 100)
+            f.seek(base + 4096 + 100)
             byte = f.read(1)
-            f.seek(4096 + 100)
+            f.seek(base + 4096 + 100)
             f.write(bytes([byte[0] ^ 0xFF]))
         gpu = new_gpu()
         async with open_store([gpu, make_dram(4 * MiB), nvme]) as store:
             assert await store.lease(NS, [b"n"], tier="gpu") is None
             assert store.index.get(ChunkKey(NS, b"n")) is None
             assert gpu.used == 0 and nvme.stats.integrity_errors == 1
-            assert not os.path.exists(path)
+            assert nvme.locate(ChunkKey(NS, b"n")) is None
+            if not slab_max:
+                assert not os.path.exists(path)
 
     run(main())
 

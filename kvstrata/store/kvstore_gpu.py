@@ -179,7 +179,7 @@ class GpuPath:
                 check_bytes(rec, dram, view)  # never promote corrupt bytes
                 await gpu.put(meta, view)
             elif isinstance(src, NvmeTier):  # kvikio straight into the slot where it can
-                await load_from_nvme(gpu, src.root, meta)
+                await load_from_nvme(gpu, src.root, meta, at=src.locate(meta.key))
             else:
                 data = await self.placement.read_copy(rec, src)  # checksummed
                 if data is None:

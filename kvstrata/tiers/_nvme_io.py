@@ -48,6 +48,14 @@ class Backend(Protocol):
         """Header block, the payload bytes read into ``out`` (up to ``len(out)``), and the
         identity of the file read (a rename may put another file under ``path`` meanwhile)."""
 
+    def write_at(self, fd: int, path: str, offset: int, header: bytes, payload: memoryview) -> None:
+        """Header and payload at ``offset`` (4096-aligned) of the open slab file ``fd`` (its
+        name: ``path``); with O_DIRECT the last block is zero-padded. Not synced."""
+
+    def read_at(self, fd: int, path: str, offset: int, out: memoryview) -> tuple[bytes, int]:
+        """The header block at ``offset`` of a slab file and up to ``len(out)`` payload bytes
+        after it, read into ``out``; (header, payload bytes read)."""
+
 
 def file_id(fd: int) -> FileId:
     st = os.fstat(fd)
@@ -119,10 +127,8 @@ class PosixBackend:
         try:
             if not self.direct:
                 _pwrite_all(fd, [memoryview(header), payload], 0)
-            elif _aligned(payload):
-                self._write_direct(fd, header, payload)
             else:
-                self._write_staged(fd, header, payload)
+                self._write(fd, header, payload, 0)
             if self.direct and len(payload) % BLOCK:
                 os.ftruncate(fd, HEADER_SIZE + len(payload))
         except BaseException:
@@ -130,7 +136,28 @@ class PosixBackend:
             raise
         return fd
 
-    def _write_direct(self, fd: int, header: bytes, payload: memoryview) -> None:
+    def write_at(self, fd: int, path: str, offset: int, header: bytes, payload: memoryview) -> None:
+        if self.direct:
+            self._write(fd, header, payload, offset)
+        else:
+            _pwrite_all(fd, [memoryview(header), payload], offset)
+
+    def read_at(self, fd: int, path: str, offset: int, out: memoryview) -> tuple[bytes, int]:
+        if not self.direct:
+            head = bytearray(HEADER_SIZE)
+            got = _pread_all(fd, [memoryview(head), out], offset)
+            return bytes(head[: min(got, HEADER_SIZE)]), max(0, got - HEADER_SIZE)
+        if _aligned(out):
+            return self._read_direct(fd, out, offset)
+        return self._read_staged(fd, out, offset)
+
+    def _write(self, fd: int, header: bytes, payload: memoryview, offset: int) -> None:
+        if _aligned(payload):
+            self._write_direct(fd, header, payload, offset)
+        else:
+            self._write_staged(fd, header, payload, offset)
+
+    def _write_direct(self, fd: int, header: bytes, payload: memoryview, offset: int) -> None:
         stage = _staging()
         stage[:HEADER_SIZE] = header
         body = len(payload) // BLOCK * BLOCK
@@ -141,12 +168,12 @@ class PosixBackend:
             last[:tail] = payload[body:]
             last[tail:] = bytes(BLOCK - tail)
             views.append(last)
-        _pwrite_all(fd, views, 0)
+        _pwrite_all(fd, views, offset)
 
-    def _write_staged(self, fd: int, header: bytes, payload: memoryview) -> None:
+    def _write_staged(self, fd: int, header: bytes, payload: memoryview, offset: int) -> None:
         stage = _staging()
         stage[:HEADER_SIZE] = header
-        fill, src, pos = HEADER_SIZE, 0, 0
+        fill, src, pos = HEADER_SIZE, 0, offset
         while True:
             n = min(STAGING - fill, len(payload) - src)
             stage[fill : fill + n] = payload[src : src + n]
@@ -174,13 +201,13 @@ class PosixBackend:
         finally:
             os.close(fd)
 
-    def _read_direct(self, fd: int, out: memoryview) -> tuple[bytes, int]:
+    def _read_direct(self, fd: int, out: memoryview, offset: int = 0) -> tuple[bytes, int]:
         stage = _staging()
         body = len(out) // BLOCK * BLOCK
         tail = len(out) - body
         last = stage[HEADER_SIZE : HEADER_SIZE + BLOCK]
         views = [stage[:HEADER_SIZE], out[:body]] + ([last] if tail else [])
-        got = _pread_all(fd, views, 0)
+        got = _pread_all(fd, views, offset)
         if got < HEADER_SIZE:
             return b"", 0
         payload = min(got - HEADER_SIZE, len(out))
@@ -188,10 +215,10 @@ class PosixBackend:
             out[body:payload] = last[: payload - body]
         return bytes(stage[:HEADER_SIZE]), payload
 
-    def _read_staged(self, fd: int, out: memoryview) -> tuple[bytes, int]:
+    def _read_staged(self, fd: int, out: memoryview, offset: int = 0) -> tuple[bytes, int]:
         stage = _staging()
         want = _padded(HEADER_SIZE + len(out))
-        got = _pread_all(fd, [stage[: min(STAGING, want)]], 0)
+        got = _pread_all(fd, [stage[: min(STAGING, want)]], offset)
         if got < HEADER_SIZE:
             return b"", 0
         header = bytes(stage[:HEADER_SIZE])
@@ -199,7 +226,7 @@ class PosixBackend:
         out[:done] = stage[HEADER_SIZE : HEADER_SIZE + done]
         pos = got
         while done < len(out) and got == STAGING:
-            got = _pread_all(fd, [stage[: min(STAGING, want - pos)]], pos)
+            got = _pread_all(fd, [stage[: min(STAGING, want - pos)]], offset + pos)
             n = min(got, len(out) - done)
             out[done : done + n] = stage[:n]
             done, pos = done + n, pos + got
@@ -244,6 +271,28 @@ class KvikioBackend:
         finally:
             os.close(fd)
         return head.tobytes(), got, ident
+
+    def write_at(self, fd: int, path: str, offset: int, header: bytes, payload: memoryview) -> None:
+        import kvikio
+
+        with kvikio.CuFile(path, "r+") as f:
+            futures = [f.pwrite(np.frombuffer(header, dtype=np.uint8), HEADER_SIZE, offset)]
+            if len(payload):
+                body = np.frombuffer(payload, dtype=np.uint8)
+                futures.append(f.pwrite(body, len(body), offset + HEADER_SIZE))
+            for fut in futures:
+                fut.get()
+
+    def read_at(self, fd: int, path: str, offset: int, out: memoryview) -> tuple[bytes, int]:
+        import kvikio
+
+        head = np.empty(HEADER_SIZE, dtype=np.uint8)
+        body = np.frombuffer(out, dtype=np.uint8)
+        with kvikio.CuFile(path, "r") as f:
+            if int(f.pread(head, HEADER_SIZE, offset).get()) < HEADER_SIZE:
+                return b"", 0
+            got = int(f.pread(body, len(body), offset + HEADER_SIZE).get()) if len(body) else 0
+        return head.tobytes(), got
 
 
 def choose_backend(root: str, wanted: str, direct: str) -> tuple[Backend, str]:

@@ -38,6 +38,8 @@ class RebuildReport:
     seconds: float
     quarantined: int
     temp_removed: int
+    slots_invalid: int = 0  # slab slots whose header failed its checks (torn writes), freed
+    stale: int = 0  # older copies of a chunk found beside a newer one, dropped
 
 
 @dataclass(slots=True)

@@ -60,6 +60,11 @@ class GroupSync:
         self._thread = threading.Thread(target=self._loop, name="kvstrata-nvme-sync", daemon=True)
         self._thread.start()
 
+    @property
+    def per_file(self) -> bool:
+        """Whether each submitted file is fsynced too (buffered writes, kvikio)."""
+        return self._per_file
+
     def submit(self, file_fd: int) -> Future[None]:
         """A future resolved once every change made before this call is durable; ``file_fd``
         (-1: none) is the new file's descriptor, closed by this object in any case. Raises

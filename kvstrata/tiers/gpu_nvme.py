@@ -24,7 +24,10 @@ times faster than an NVMe read, see ``docs/gpu.md``); a mismatch quarantines not
 raises :class:`IntegrityError`, and the slot is freed, so wrong bytes never become visible.
 
 The file is opened once per read: a concurrent replacement (rename over it) leaves the open
-file intact, so header and payload always come from the same version.
+file intact, so header and payload always come from the same version. A chunk held in a slot of
+a slab file (``_nvme_slabs``: the same header, at an offset) is read from ``at``, which
+:meth:`NvmeTier.locate` gives; a slot reused meanwhile fails the header or checksum check and
+is an :class:`IntegrityError` like any wrong bytes.
 """
 
 from __future__ import annotations
@@ -149,30 +152,33 @@ def _verify(mem: DeviceMemory, offset: int, want: ChunkMeta, path: str) -> None:
         raise IntegrityError(f"{path}: payload checksum mismatch after the read into the gpu")
 
 
-def read_file_kvikio(path: str, want: ChunkMeta, mem: DeviceMemory, offset: int) -> None:
+def read_file_kvikio(
+    path: str, want: ChunkMeta, mem: DeviceMemory, offset: int, base: int = 0
+) -> None:
     """Blocking: header to host, payload straight into ``mem`` at ``offset``, then verify.
 
     kvikio reports a short read, a vanished file and a cuFile failure alike as RuntimeError;
     the file's size is checked first, and an error is mapped afterwards: a missing file to
     FileNotFoundError, a short one to IntegrityError, anything else to KvikioUnusable (the
-    caller then reads the file the POSIX way)."""
+    caller then reads the file the POSIX way). ``base``: where the header starts in the file."""
     kvikio = import_kvikio()
     size = os.stat(path).st_size  # FileNotFoundError: the chunk is gone
-    _check_size(path, size, want)
+    _check_size(path, size - base, want)
     head = np.empty(HEADER_SIZE, dtype=np.uint8)
     try:
         with kvikio.CuFile(path, "r") as f:
-            if int(f.pread(head, HEADER_SIZE, 0).get()) < HEADER_SIZE:
+            if int(f.pread(head, HEADER_SIZE, base).get()) < HEADER_SIZE:
                 raise IntegrityError(f"{path}: truncated header")
             _check_header(head.tobytes(), want, path)
             if want.size:
-                got = int(f.pread(mem.buffer(offset, want.size), want.size, HEADER_SIZE).get())
+                dst = mem.buffer(offset, want.size)
+                got = int(f.pread(dst, want.size, base + HEADER_SIZE).get())
                 if got < want.size:
                     raise IntegrityError(f"{path}: truncated payload ({got} of {want.size} bytes)")
     except TierError:
         raise
     except (RuntimeError, OSError) as exc:
-        raise _kvikio_failure(path, want, exc) from exc
+        raise _kvikio_failure(path, want, exc, base) from exc
     _verify(mem, offset, want, path)
 
 
@@ -184,7 +190,7 @@ def _check_size(path: str, size: int, want: ChunkMeta) -> None:
         )
 
 
-def _kvikio_failure(path: str, want: ChunkMeta, exc: BaseException) -> Exception:
+def _kvikio_failure(path: str, want: ChunkMeta, exc: BaseException, base: int = 0) -> Exception:
     """The tier's error for a kvikio failure: explained by the file, or kvikio's own."""
     try:
         size = os.stat(path).st_size
@@ -192,17 +198,20 @@ def _kvikio_failure(path: str, want: ChunkMeta, exc: BaseException) -> Exception
         return FileNotFoundError(path)
     except OSError:
         size = -1
-    if 0 <= size < HEADER_SIZE + want.size:
+    if 0 <= size < base + HEADER_SIZE + want.size:
         return IntegrityError(f"{path}: truncated during the read ({size} bytes)")
     return KvikioUnusable(f"kvikio failed reading {path}: {type(exc).__name__}: {exc}")
 
 
-def read_file_posix(path: str, want: ChunkMeta, mem: DeviceMemory, offset: int) -> None:
-    """Blocking: the file into a host buffer, verified, then copied into ``mem``."""
+def read_file_posix(
+    path: str, want: ChunkMeta, mem: DeviceMemory, offset: int, base: int = 0
+) -> None:
+    """Blocking: the chunk (header at ``base``) into a host buffer, verified, then copied into
+    ``mem``."""
     buf = bytearray(HEADER_SIZE + want.size)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        got = os.preadv(fd, [buf], 0)
+        got = os.preadv(fd, [buf], base)
     finally:
         os.close(fd)
     _check_header(bytes(buf[:HEADER_SIZE]), want, path)
@@ -215,16 +224,21 @@ def read_file_posix(path: str, want: ChunkMeta, mem: DeviceMemory, offset: int) 
 
 
 async def load_from_nvme(
-    gpu: GpuTier, nvme_root: str, meta: ChunkMeta, use_kvikio: bool | None = None
+    gpu: GpuTier,
+    nvme_root: str,
+    meta: ChunkMeta,
+    use_kvikio: bool | None = None,
+    at: tuple[str, int] | None = None,
 ) -> str:
-    """Read ``meta``'s chunk file under ``nvme_root`` into a new GPU slot and publish it there.
+    """Read ``meta``'s chunk file under ``nvme_root`` (or the file and header offset ``at``: a
+    slab slot) into a new GPU slot and publish it there.
 
     Returns the path taken ("kvikio-" and :func:`kvikio_mode`, or "posix"; "posix" also when
     kvikio was tried but could not read, see :class:`KvikioUnusable`). Raises
     :class:`ChunkMissing` when the file is gone, :class:`IntegrityError` when it is not the
     expected chunk, is short or its bytes are wrong, TierFull when the pool has no room.
     """
-    path = chunk_path(nvme_root, meta)
+    path, base = at if at is not None else (chunk_path(nvme_root, meta), 0)
     if use_kvikio is None:
         use_kvikio = kvikio_importable() and not gpu.memory.host_addressable
     how = "posix"
@@ -233,12 +247,12 @@ async def load_from_nvme(
         nonlocal how
         if use_kvikio:
             try:
-                read_file_kvikio(path, meta, mem, offset)
+                read_file_kvikio(path, meta, mem, offset, base)
                 how = f"kvikio-{kvikio_mode()}"
                 return
             except KvikioUnusable as exc:
                 log.warning("gpu: %s; reading %s the POSIX way", exc, path)
-        read_file_posix(path, meta, mem, offset)
+        read_file_posix(path, meta, mem, offset, base)
 
     try:
         await gpu.put_from(meta, fill)

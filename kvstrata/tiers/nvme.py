@@ -1,24 +1,28 @@
-"""The NVMe tier: one checksummed file per chunk, written atomically, verified on every read.
+"""The NVMe tier: checksummed chunks on local disk, written atomically, verified on every read.
 
-Files live under the tier folder as ``{2 hex}/{64 hex}.kvc`` (format in ``_nvme_format``).
-A write goes to a temporary file in the same folder and is renamed over the final name, so after
-kill -9 a chunk is either complete or absent; the ``fsync`` policy (``_nvme_sync``: ``always``,
-``batch`` — the default, group commit —, ``never``) says when it is also power-loss durable, and
-a put returns only then. A read lands in the caller's buffer and is checked against the
-header's xxh3-128; a mismatch quarantines the file and raises :class:`IntegrityError` — wrong
-bytes never leave.
+Two layouts with one header format (``_nvme_format``): a chunk of at most ``nvme-slab-max``
+bytes (1 MiB by default) is a slot of a preallocated slab file (``_nvme_slabs``: one aligned
+write at an offset, no file per chunk); a larger one is a file ``{2 hex}/{64 hex}.kvc``,
+written to a temporary file and renamed over the final name. After kill -9 a chunk is complete
+or absent (a torn slot fails its checksums and is freed, never served); the ``fsync`` policy
+(``_nvme_sync``: ``always``, ``batch`` — the default, group commit —, ``never``) says when it is
+also power-loss durable, and a put returns only then. A read lands in the caller's buffer and is
+checked against the header's xxh3-128; a mismatch quarantines the file (or invalidates the
+slot) and raises :class:`IntegrityError` — wrong bytes never leave.
 
 I/O runs on a bounded thread pool (``io_threads``) through one of two backends with the same
 format: kvikio (when ``import kvikio`` works and CUDA is usable) or POSIX (O_DIRECT when the
-filesystem allows it, buffered otherwise). ``scan()`` rebuilds the index from headers at start.
+filesystem allows it, buffered otherwise). ``scan()`` rebuilds the index from headers at start:
+chunk files (also those of versions before slabs: served, and replaced by a slot when the chunk
+is written again or evicted — never migrated in the background) and slab slots.
 
-``used`` counts the disk space of the committed chunk files with 4 KiB blocks (4096-byte header
-plus the payload rounded up to 4096); writes in flight count against ``capacity`` too.
+``used`` counts the disk space of committed chunks: a file's 4096-byte header plus the payload
+rounded up to 4096, or the size of its slot; writes in flight count against ``capacity`` too.
 Writes and deletes of one key are serialized (the second waits for the first) so that the
-index always agrees with the file on disk; reads are not, and see the old or the new file. A
-read that finds its file missing or corrupt drops the index entry only if it is still the one
-the read started from (a delete and a new put may have finished meanwhile), and quarantines
-only the file it read, never one renamed over it since.
+index always agrees with the disk; reads are not, and see the old or the new copy. A read
+that finds its copy missing or corrupt drops the index entry only if it is still the one the
+read started from (a delete and a new put may have finished meanwhile), and quarantines only
+the file it read, never one renamed over it since (a slot reused meanwhile is a plain miss).
 """
 
 from __future__ import annotations
@@ -30,18 +34,19 @@ import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
-from kvstrata.tiers import _nvme_scan
+from kvstrata.tiers import _nvme_slab_scan
+from kvstrata.tiers._nvme_config import NvmeConfig, prepare_folder
 from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt, unlink_quietly
 from kvstrata.tiers._nvme_format import file_bytes
-from kvstrata.tiers._nvme_io import PosixBackend, choose_backend, probe_writable
+from kvstrata.tiers._nvme_io import PosixBackend, choose_backend
 from kvstrata.tiers._nvme_scan import QUARANTINE, RebuildReport
+from kvstrata.tiers._nvme_slabs import SLAB_DIR, Slabs, SlotMismatch, SlotRef
 from kvstrata.tiers._nvme_space import DiskFull, FsSpace, is_full_error
-from kvstrata.tiers._nvme_sync import POLICIES, SYNC_MARKER, GroupSync
+from kvstrata.tiers._nvme_sync import SYNC_MARKER, GroupSync
 from kvstrata.tiers.base import (
     Buffer,
     ChunkMissing,
@@ -53,54 +58,11 @@ from kvstrata.tiers.base import (
     register_tier,
 )
 
+__all__ = ["NvmeConfig", "NvmeTier"]
 log = logging.getLogger(__name__)
 SHARDS = [f"{i:02x}" for i in range(256)]
 SCAN_THREADS = 16
-#: chunk files hold prompts' KV: folders 0700, files 0600 (as the DRAM arena), whatever the umask
-PRIVATE_DIR = 0o700
-
-
-def make_private(folder: Path) -> None:
-    """Tighten a folder (new, or left by an older version or another tool) to 0700."""
-    mode = folder.stat().st_mode & 0o777
-    if mode == PRIVATE_DIR:
-        return
-    try:
-        os.chmod(folder, PRIVATE_DIR)
-    except OSError as exc:
-        raise TierUnavailable(
-            f"nvme-path folder {folder} has mode {mode:o} and cannot be made private "
-            f"(0700): {exc.strerror}"
-        ) from exc
-
-
-@dataclass(frozen=True, slots=True)
-class NvmeConfig:
-    """Settings of the NVMe tier (``nvme-*`` options)."""
-
-    path: str
-    capacity: int = 16 * 1024**3
-    backend: str = "auto"  # auto | posix | kvikio
-    io_threads: int = 4
-    write_policy: str = "write-back"  # applied by the store; shown by INFO
-    direct: str = "auto"  # POSIX backend: auto | yes | no (O_DIRECT)
-    fsync: str = "batch"  # always | batch | never: see _nvme_sync
-
-    def __post_init__(self) -> None:
-        if self.fsync not in POLICIES:
-            raise ValueError(f"nvme-fsync must be one of {', '.join(POLICIES)}, not {self.fsync!r}")
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> NvmeConfig:
-        """Build from a :class:`kvstrata.config.Config`."""
-        return cls(
-            path=str(cfg.nvme_dir),
-            capacity=cfg.nvme_capacity,
-            backend=cfg.nvme_backend,
-            io_threads=cfg.nvme_io_threads,
-            write_policy=cfg.nvme_write_policy,
-            fsync=cfg.values.get("nvme-fsync", "batch"),
-        )
+SLOT_READ_TRIES = 3  # a read whose slot keeps being replaced under it gives up (a miss)
 
 
 def _byte_view(data: Buffer) -> memoryview:
@@ -109,7 +71,7 @@ def _byte_view(data: Buffer) -> memoryview:
 
 
 class NvmeTier(Tier):
-    """Chunk files in one folder; see the module docstring."""
+    """Chunk files and slab files in one folder; see the module docstring."""
 
     name = "nvme"
     persistent = True
@@ -118,9 +80,12 @@ class NvmeTier(Tier):
         super().__init__()
         self.config = config
         self.root = str(Path(config.path).absolute())
-        self._prepare_folder()
+        prepare_folder(self.root, [*SHARDS, QUARANTINE, SLAB_DIR])
         self.backend, self.backend_reason = choose_backend(self.root, config.backend, config.direct)
         self._files = ChunkFiles(self.root, self.backend, config.fsync)
+        self._slabs = Slabs(
+            self.root, self.backend, config.slab_max, config.slab_bytes, config.fsync
+        )
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstrata-nvme")
         self._group = None
         if config.fsync == "batch":
@@ -128,39 +93,14 @@ class NvmeTier(Tier):
             self._group = GroupSync(os.path.join(self.root, SYNC_MARKER), per_file=not direct)
         self._space = FsSpace(self.root, config.capacity)
         self._index: dict[ChunkKey, ChunkMeta] = {}
+        self._where: dict[ChunkKey, SlotRef] = {}  # chunks held in a slab slot
         self._used = 0
         self._pending = 0
         self._busy: dict[ChunkKey, asyncio.Event] = {}
         self._closed = False
         self.rebuild_report: RebuildReport | None = None
         self.last_error = ""
-        self.stats.extra.update(quarantined=0, enospc=0, eio=0, eacces=0)
-
-    # -- start-up -----------------------------------------------------------------------
-
-    def _prepare_folder(self) -> None:
-        root = Path(self.root)
-        try:
-            if not root.is_dir():
-                if root.exists():
-                    raise TierUnavailable(f"nvme-path {root} exists and is not a folder")
-                if not root.parent.is_dir():
-                    raise TierUnavailable(
-                        f"nvme-path {root} does not exist, nor does its parent {root.parent}"
-                    )
-                root.mkdir(mode=PRIVATE_DIR)
-            make_private(root)
-            for sub in [*SHARDS, QUARANTINE]:
-                (root / sub).mkdir(mode=PRIVATE_DIR, exist_ok=True)
-                make_private(root / sub)
-            probe_writable(self.root)
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise TierUnavailable(f"nvme-path {root} is not usable: {exc.strerror}") from exc
+        self.stats.extra.update(quarantined=0, enospc=0, eio=0, eacces=0, slots_invalid=0)
 
     # -- capacity -----------------------------------------------------------------------
 
@@ -171,7 +111,8 @@ class NvmeTier(Tier):
 
     @property
     def used(self) -> int:
-        """Disk space of committed chunk files (header + payload in 4 KiB blocks)."""
+        """Disk space of committed chunks: a file's header + payload in 4 KiB blocks, or the
+        size of the slot holding it (free slots of slab files are not counted)."""
         return self._used
 
     @property
@@ -186,10 +127,11 @@ class NvmeTier(Tier):
         payload = _byte_view(data)
         if payload.nbytes != meta.size:
             raise ValueError(f"payload is {payload.nbytes} bytes, meta says {meta.size}")
-        need = file_bytes(meta.size)
+        need = self._slabs.slot_size(meta.size) or file_bytes(meta.size)
         await self._acquire(meta.key)
         try:
-            self._space.recheck(self._used)
+            if self._space.limit is not None:  # only then does the disk's room matter
+                self._space.recheck(self._held())
             if self._used + self._pending + need > self.capacity:
                 raise TierFull(
                     f"nvme: {need} bytes do not fit ({self._used} used and {self._pending} "
@@ -198,28 +140,58 @@ class NvmeTier(Tier):
             self._pending += need
             started = time.perf_counter()
             try:
-                stored, fd = await self._run(self._files.write, meta, payload)
-                if fd >= 0:
-                    await self._group_sync(meta.key, fd)
+                stored, ref = await self._write(meta, payload)
             except IntegrityError:
                 self.stats.integrity_errors += 1
                 raise
             except TierIOError as exc:
                 if not is_full_error(exc):
                     raise
-                limit = self._space.lower(self._used)
+                limit = self._space.lower(self._held())
                 raise DiskFull(f"{exc}; capacity now {limit} bytes") from exc
             finally:
                 self._pending -= need
             self.stats.seconds_in += time.perf_counter() - started
-            old = self._index.get(meta.key)
-            self._used += need - (file_bytes(old.size) if old else 0)
+            old, old_ref = self._index.get(meta.key), self._where.pop(meta.key, None)
+            self._used += need - (self._cost(old, old_ref) if old else 0)
             self._index[meta.key] = stored
+            if ref is not None:
+                self._where[meta.key] = ref
             self.stats.puts += 1
             self.stats.bytes_in += meta.size
             self.stats.chunks = len(self._index)
+            if old is not None:
+                await self._drop_replaced(meta.key, old_ref, ref)
         finally:
             self._release(meta.key)
+
+    async def _write(
+        self, meta: ChunkMeta, payload: memoryview
+    ) -> tuple[ChunkMeta, SlotRef | None]:
+        """Write a slot (small chunks) or a file, durable as ``nvme-fsync`` says."""
+        if not self._slabs.slot_size(meta.size):
+            stored, fd = await self._run(self._files.write, meta, payload)
+            if fd >= 0:
+                await self._group_sync(meta.key, fd)
+            return stored, None
+        always = self.config.fsync == "always"
+        stored, ref = await self._run(self._slabs.write, meta, payload, always)
+        if self._group is not None:
+            try:
+                await self._slot_sync(ref)
+            except TierIOError:
+                await self._run_quietly(self._slabs.discard, ref)
+                raise
+        return stored, ref
+
+    async def _drop_replaced(self, key: ChunkKey, old: SlotRef | None, new: SlotRef | None) -> None:
+        """After an overwrite: invalidate the old slot, or remove the old file when the new
+        copy is a slot (a new file was renamed over it already). A failure is counted; the
+        stale copy then loses to the newer one at the next start."""
+        if old is not None:
+            await self._run_quietly(self._slabs.invalidate, old)
+        elif new is not None:
+            await self._run_quietly(self._files.delete, key)
 
     async def get(self, key: ChunkKey, out: memoryview) -> ChunkMeta:
         meta = self._index.get(key)
@@ -230,8 +202,12 @@ class NvmeTier(Tier):
         if dst.nbytes < meta.size:
             raise ValueError(f"buffer of {dst.nbytes} bytes for a {meta.size}-byte chunk")
         started = time.perf_counter()
+        ref = self._where.get(key)
         try:
-            got = await self._run(self._files.read, key, dst)
+            if ref is not None:
+                got = await self._read_slot(key, meta, ref, dst)
+            else:
+                got = await self._run(self._files.read, key, dst)
         except FileNotFoundError:
             self._forget(key, meta)
             self.stats.misses += 1
@@ -242,18 +218,46 @@ class NvmeTier(Tier):
             self.stats.extra["quarantined"] += exc.quarantined
             self.stats.misses += 1
             what = "file quarantined" if exc.quarantined else "file replaced meanwhile"
+            what = "slot invalidated" if ref is not None else what
             raise IntegrityError(f"nvme chunk {key.hex}: {exc}; {what}") from None
         self.stats.seconds_out += time.perf_counter() - started
         self.stats.hits += 1
         self.stats.bytes_out += got.size
         return got
 
+    async def _read_slot(
+        self, key: ChunkKey, meta: ChunkMeta, ref: SlotRef, dst: memoryview
+    ) -> ChunkMeta:
+        """Read a slot; one that fails its checks while still the chunk's copy is invalidated
+        (free for reuse, never served). When an overwrite moved the chunk to another slot
+        meanwhile, that slot is read instead; a chunk deleted meanwhile is a plain miss."""
+        for _ in range(SLOT_READ_TRIES):
+            try:
+                return await self._run(self._slabs.read, key, ref, dst, meta)
+            except SlotMismatch as exc:
+                current = self._where.get(key)
+                if current is ref:
+                    self._forget(key, meta)  # before the await: no other reader frees it too
+                    self.stats.extra["slots_invalid"] += 1
+                    await self._run_quietly(self._slabs.invalidate, ref)
+                    raise Corrupt(str(exc), quarantined=False) from None
+                if current is None or self._index[key].size > dst.nbytes:
+                    break
+                ref, meta = current, self._index[key]
+        raise FileNotFoundError(key.hex)
+
     async def delete(self, key: ChunkKey) -> bool:
         await self._acquire(key)
         try:
+            ref = self._where.get(key)
             if not self._forget(key):
                 return False
             self.stats.deletes += 1
+            if ref is not None:
+                await self._run(self._slabs.invalidate, ref, self.config.fsync == "always")
+                if self._group is not None:
+                    await self._slot_sync(ref)
+                return True
             await self._run(self._files.delete, key)
             if self._group is not None:
                 await self._group_sync(key, -1)
@@ -268,35 +272,38 @@ class NvmeTier(Tier):
         return self._index.get(key)
 
     async def scan(self) -> AsyncIterator[ChunkMeta]:
-        """Rebuild the index from the folder (headers only) and yield every chunk found."""
+        """Rebuild the index from the folder (headers only) and yield every chunk it holds
+        (those written since the tier opened too)."""
         self._check_open()
         started = time.perf_counter()
-        in_flight = frozenset(self._files.in_flight)
-        threads = max(SCAN_THREADS, self.config.io_threads)
-        keep = {".kvstrata-probe", SYNC_MARKER}
-        shards, moved = await asyncio.get_running_loop().run_in_executor(
-            self._pool, _nvme_scan.scan_all, self.root, SHARDS, in_flight, threads, keep
-        )
-        found = [meta for shard in shards for meta, _ in shard.found]
-        for meta in found:
+        rebuilt = await asyncio.get_running_loop().run_in_executor(
+            self._pool, _nvme_slab_scan.rebuild, self._files, self._slabs, SHARDS,
+            max(SCAN_THREADS, self.config.io_threads), set(self._index), set(self._where),
+        )  # fmt: skip
+        for meta in rebuilt.files:
             self._index[meta.key] = meta
-        self._used = sum(file_bytes(m.size) for m in self._index.values())
+        for slot in rebuilt.slots:
+            self._index[slot.meta.key], self._where[slot.meta.key] = slot.meta, slot.ref
+        self._used = sum(self._cost(m, self._where.get(k)) for k, m in self._index.items())
         self.stats.chunks = len(self._index)
-        quarantined = moved + sum(s.quarantined for s in shards)
-        self.stats.extra["quarantined"] += quarantined
+        self.stats.extra["slots_invalid"] += rebuilt.slots_invalid
+        self.stats.extra["quarantined"] += rebuilt.quarantined
+        found = list(self._index.values())  # what was known already, too (a second scan)
         report = RebuildReport(
             chunks=len(found),
             bytes=sum(m.size for m in found),
             seconds=time.perf_counter() - started,
-            quarantined=quarantined,
-            temp_removed=sum(s.temp_removed for s in shards),
+            quarantined=rebuilt.quarantined,
+            temp_removed=rebuilt.temp_removed,
+            slots_invalid=rebuilt.slots_invalid,
+            stale=rebuilt.stale,
         )
         self.rebuild_report = report
         log.info(
-            "nvme: rebuilt index from %s: %d chunks, %d bytes, %d quarantined, %d temp files "
-            "removed in %.3f s",
-            self.root, report.chunks, report.bytes, report.quarantined, report.temp_removed,
-            report.seconds,
+            "nvme: rebuilt index from %s: %d chunks (%d in slabs), %d bytes, %d quarantined, %d "
+            "temp files removed, %d torn or corrupt slots freed, %d stale copies dropped in %.3f s",
+            self.root, report.chunks, len(rebuilt.slots), report.bytes, report.quarantined,
+            report.temp_removed, report.slots_invalid, report.stale, report.seconds,
         )  # fmt: skip
         for meta in found:
             yield meta
@@ -319,6 +326,11 @@ class NvmeTier(Tier):
             "group_syncs": self._group.syncs if self._group else 0,
             "group_synced": self._group.synced if self._group else 0,
             "quarantined": self.stats.extra["quarantined"],
+            "slab_max": self.config.slab_max,
+            "slab_files": self._slabs.count(),
+            "slab_chunks": len(self._where),
+            "slab_spare": self._slabs.spare_bytes(),
+            "slots_invalid": self.stats.extra["slots_invalid"],
             "last_error": self.last_error,
             "rebuild_chunks": report.chunks if report else 0,
             "rebuild_bytes": report.bytes if report else 0,
@@ -334,12 +346,31 @@ class NvmeTier(Tier):
         if self._group is not None:
             self._group.close()
         self._files.close()
+        self._slabs.close()
+
+    def locate(self, key: ChunkKey) -> tuple[str, int] | None:
+        """The file holding ``key``'s header and the header's offset there (a chunk file at 0,
+        a slab slot further), for readers outside the tier (``gpu_nvme``); None if absent."""
+        if key not in self._index:
+            return None
+        ref = self._where.get(key)
+        if ref is None:
+            return os.path.join(*self._files.path(key)), 0
+        return self._slabs.locate(ref)
 
     # -- event-loop helpers -------------------------------------------------------------
 
     def _refreshed_capacity(self) -> int:
-        self._space.recheck(self._used)
+        self._space.recheck(self._held())
         return self.capacity
+
+    def _held(self) -> int:
+        """Disk space the tier holds: its chunks and the free slots of its slab files (what
+        a full disk leaves it able to use)."""
+        return self._used + self._slabs.spare_bytes()
+
+    def _cost(self, meta: ChunkMeta, ref: SlotRef | None) -> int:
+        return ref.slot_size if ref is not None else file_bytes(meta.size)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -360,7 +391,7 @@ class NvmeTier(Tier):
         if meta is None or (only is not None and meta is not only):
             return False
         del self._index[key]
-        self._used -= file_bytes(meta.size)
+        self._used -= self._cost(meta, self._where.pop(key, None))
         self.stats.chunks = len(self._index)
         return True
 
@@ -392,6 +423,22 @@ class NvmeTier(Tier):
             if fd >= 0:
                 await self._unlink(path)
             raise self._io_error("group sync", exc) from exc
+
+    async def _slot_sync(self, ref: SlotRef) -> None:
+        """``batch``: wait for the group sync covering a slot write or invalidation."""
+        assert self._group is not None
+        try:
+            fd = self._slabs.dup(ref) if self._group.per_file else -1  # O_DIRECT: no fsync
+            await asyncio.wrap_future(self._group.submit(fd))
+        except OSError as exc:
+            raise self._io_error("group sync", exc) from exc
+
+    async def _run_quietly(self, fn: Any, *args: Any) -> None:
+        """Run clean-up work whose failure is counted and logged (``_run``) but not raised."""
+        try:
+            await self._run(fn, *args)
+        except (TierIOError, TierUnavailable):
+            pass
 
     async def _unlink(self, path: str) -> None:
         """Remove ``path`` on the pool, or right here once the tier is closed (no pool)."""
