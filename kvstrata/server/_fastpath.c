@@ -1,0 +1,549 @@
+/* Compiled fast path of the request loop: scan -> dispatch -> reply for the hottest small
+ * commands (PING, ECHO, GET, SET key value, EXISTS), run straight against the string store's
+ * structures. kvstrata/server/fastpath.py documents the contract and holds the conditions under
+ * which a connection may call it; the Python path (Connection._execute and the handlers) is the
+ * reference it must match, reply for reply and side effect for side effect.
+ *
+ * FastPath(keyspace, strings, cmdstats, entry_type, large_value, entry_overhead)
+ * FastPath.run(buf, pos, end, out, resp3, max_bulk, max_args, slow, max_out)
+ *     -> (pos, executed, last, slow_hit)
+ *   Executes the complete commands at buf[pos:end] it can honour, appends their replies (one
+ *   bytes object) to the list out, and stops at the first command it does not handle: another
+ *   command, other arguments, an option, a key with a TTL or of another type, a write that
+ *   would need eviction, anything malformed or incomplete. pos is where the Python path takes
+ *   over (at a command boundary). last: index into NAMES of the last command run (-1: none).
+ *   slow_hit: None, or (started, argv) for a command that took longer than `slow` seconds (the
+ *   run stops after it so that the caller records it in the slow log).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+#include <time.h>
+
+#define MAX_ARGV 16   /* more arguments: the Python path */
+#define MAX_LINE 1024 /* longest inline command / header line looked at */
+
+enum { C_PING, C_ECHO, C_GET, C_SET, C_EXISTS, N_CMDS };
+static const char *NAMES[N_CMDS] = {"PING", "ECHO", "GET", "SET", "EXISTS"};
+
+typedef struct { const char *p; Py_ssize_t n; } Arg;
+
+typedef struct {
+    char *buf;
+    Py_ssize_t len, cap;
+} Out;
+
+static int out_reserve(Out *o, Py_ssize_t more) {
+    if (o->len + more <= o->cap) return 0;
+    Py_ssize_t cap = o->cap ? o->cap : 4096;
+    while (cap < o->len + more) cap *= 2;
+    char *b = PyMem_Realloc(o->buf, (size_t)cap);
+    if (b == NULL) { PyErr_NoMemory(); return -1; }
+    o->buf = b;
+    o->cap = cap;
+    return 0;
+}
+
+static int out_put(Out *o, const char *s, Py_ssize_t n) {
+    if (out_reserve(o, n) < 0) return -1;
+    memcpy(o->buf + o->len, s, (size_t)n);
+    o->len += n;
+    return 0;
+}
+
+static int out_bulk(Out *o, const char *s, Py_ssize_t n) {
+    char head[32];
+    int h = snprintf(head, sizeof head, "$%zd\r\n", n);
+    if (out_reserve(o, h + n + 2) < 0) return -1;
+    memcpy(o->buf + o->len, head, (size_t)h);
+    memcpy(o->buf + o->len + h, s, (size_t)n);
+    memcpy(o->buf + o->len + h + n, "\r\n", 2);
+    o->len += h + n + 2;
+    return 0;
+}
+
+static int out_int(Out *o, long long v) {
+    char line[32];
+    int h = snprintf(line, sizeof line, ":%lld\r\n", v);
+    return out_put(o, line, h);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);  /* time.perf_counter's clock on Linux */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static const char *find_crlf(const char *p, const char *end) {
+    while (p < end) {
+        const char *r = memchr(p, '\r', (size_t)(end - p));
+        if (r == NULL || r + 1 >= end) return NULL;
+        if (r[1] == '\n') return r;
+        p = r + 1;
+    }
+    return NULL;
+}
+
+static int parse_len(const char *p, const char *e, long long *out) {
+    long long v = 0;
+    if (p >= e || e - p > 18) return -1;
+    for (; p < e; p++) {
+        if (*p < '0' || *p > '9') return -1;
+        v = v * 10 + (*p - '0');
+    }
+    *out = v;
+    return 0;
+}
+
+static int is_space(char c) {
+    return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == '\v' || c == '\f';
+}
+
+/* One complete command at p: its arguments in argv, *argc, and where the next begins.
+ * 0 on success, -1 when it is not for us (incomplete, malformed, too long, quoted inline...). */
+static int scan_one(const char *p, const char *stop, Py_ssize_t max_bulk, Py_ssize_t max_args,
+                    Arg *argv, int *argc, const char **next) {
+    if (p >= stop) return -1;
+    if (*p != '*') {  /* inline: plain words, no quotes (those are the Python decoder's) */
+        const char *lim = stop - p > MAX_LINE ? p + MAX_LINE : stop;
+        const char *nl = memchr(p, '\n', (size_t)(lim - p));
+        if (nl == NULL) return -1;
+        int n = 0;
+        for (const char *q = p; q < nl;) {
+            while (q < nl && is_space(*q)) q++;
+            const char *w = q;
+            while (q < nl && !is_space(*q)) {
+                if (*q == '"' || *q == '\'') return -1;
+                q++;
+            }
+            if (q > w) {
+                if (n == MAX_ARGV) return -1;
+                argv[n].p = w;
+                argv[n].n = q - w;
+                n++;
+            }
+        }
+        if (n == 0) return -1;  /* a blank line: the Python decoder skips it */
+        *argc = n;
+        *next = nl + 1;
+        return 0;
+    }
+    const char *lim = stop - p > MAX_LINE ? p + MAX_LINE : stop;
+    const char *nl = find_crlf(p, lim);
+    long long n;
+    if (nl == NULL || parse_len(p + 1, nl, &n) != 0 || n <= 0 || n > MAX_ARGV || n > max_args)
+        return -1;
+    p = nl + 2;
+    for (long long i = 0; i < n; i++) {
+        if (p >= stop || *p != '$') return -1;
+        lim = stop - p > MAX_LINE ? p + MAX_LINE : stop;
+        const char *bnl = find_crlf(p, lim);
+        long long ln;
+        if (bnl == NULL || parse_len(p + 1, bnl, &ln) != 0 || ln > max_bulk) return -1;
+        const char *data = bnl + 2;
+        if (ln > stop - data - 2 || data[ln] != '\r' || data[ln + 1] != '\n') return -1;
+        argv[i].p = data;
+        argv[i].n = (Py_ssize_t)ln;
+        p = data + ln + 2;
+    }
+    *argc = (int)n;
+    *next = p;
+    return 0;
+}
+
+static int name_is(const Arg *a, const char *name) {
+    size_t n = strlen(name);
+    return (size_t)a->n == n && strncasecmp(a->p, name, n) == 0;
+}
+
+static int command_of(const Arg *argv, int argc) {
+    switch (argv[0].n) {
+    case 3:
+        if (argc == 2 && name_is(argv, "GET")) return C_GET;
+        if (argc == 3 && name_is(argv, "SET")) return C_SET;
+        return -1;
+    case 4:
+        if (argc <= 2 && name_is(argv, "PING")) return C_PING;
+        if (argc == 2 && name_is(argv, "ECHO")) return C_ECHO;
+        return -1;
+    case 6:
+        if (argc >= 2 && name_is(argv, "EXISTS")) return C_EXISTS;
+        return -1;
+    default:
+        return -1;
+    }
+}
+
+/* -- the FastPath object ------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *keyspace, *strings, *cmdstats, *entry_type;
+    Py_ssize_t large_value, entry_overhead;
+} FastPath;
+
+static PyObject *s_data, *s_lru, *s_value, *s_expire_at, *s_hits, *s_misses, *s_used, *s_limit,
+    *s_move_to_end, *s_bind, *s_commands, *s_stat, *s_calls, *s_seconds, *s_names[N_CMDS];
+
+static void fp_dealloc(FastPath *self) {
+    Py_XDECREF(self->keyspace);
+    Py_XDECREF(self->strings);
+    Py_XDECREF(self->cmdstats);
+    Py_XDECREF(self->entry_type);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int fp_init(FastPath *self, PyObject *args, PyObject *kw) {
+    PyObject *ks, *st, *cs, *et;
+    Py_ssize_t large, overhead;
+    if (!PyArg_ParseTuple(args, "OOOO!nn", &ks, &st, &cs, &PyType_Type, &et, &large, &overhead))
+        return -1;
+    Py_INCREF(ks); Py_XSETREF(self->keyspace, ks);
+    Py_INCREF(st); Py_XSETREF(self->strings, st);
+    Py_INCREF(cs); Py_XSETREF(self->cmdstats, cs);
+    Py_INCREF(et); Py_XSETREF(self->entry_type, et);
+    self->large_value = large;
+    self->entry_overhead = overhead;
+    return 0;
+}
+
+/* Per-run state: counters written back to the Python objects once, at the end. */
+typedef struct {
+    PyObject *data, *lru;
+    long long hits, misses;
+    long long calls[N_CMDS];
+    double seconds[N_CMDS];
+    long long limit;  /* -1: not read yet */
+} Run;
+
+/* 1: the entry is a plain string without a TTL (the cases handled here); 0: not; -1 error */
+static int plain_string(FastPath *fp, PyObject *entry) {
+    if (Py_TYPE(entry) != (PyTypeObject *)fp->entry_type) return 0;
+    PyObject *exp = PyObject_GetAttr(entry, s_expire_at);
+    if (exp == NULL) return -1;
+    int plain = exp == Py_None;
+    Py_DECREF(exp);
+    return plain;
+}
+
+static long long get_ll(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    long long r = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* Each do_* returns 1 done, 0 not for us (nothing changed), -1 error. */
+static int do_get(FastPath *fp, Run *run, const Arg *argv, Out *o, int resp3) {
+    PyObject *key = PyBytes_FromStringAndSize(argv[1].p, argv[1].n);
+    if (key == NULL) return -1;
+    PyObject *entry = PyDict_GetItemWithError(run->data, key);  /* borrowed */
+    int rc = 1;
+    if (entry == NULL) {
+        if (PyErr_Occurred()) { rc = -1; goto done; }
+        run->misses++;
+        rc = resp3 ? out_put(o, "_\r\n", 3) : out_put(o, "$-1\r\n", 5);
+        rc = rc < 0 ? -1 : 1;
+        goto done;
+    }
+    Py_INCREF(entry);
+    int plain = plain_string(fp, entry);
+    PyObject *value = plain == 1 ? PyObject_GetAttr(entry, s_value) : NULL;
+    Py_DECREF(entry);
+    if (plain != 1 || value == NULL) { rc = plain < 0 || (plain == 1) ? -1 : 0; goto done; }
+    if (!PyBytes_CheckExact(value) && !PyByteArray_CheckExact(value)) {
+        Py_DECREF(value); rc = 0; goto done;
+    }
+    run->hits++;
+    int in_lru = PyDict_Contains(run->lru, key);
+    if (in_lru == 1) {
+        PyObject *r = PyObject_CallMethodOneArg(run->lru, s_move_to_end, key);
+        if (r == NULL) in_lru = -1;
+        Py_XDECREF(r);
+    }
+    if (in_lru < 0) { Py_DECREF(value); rc = -1; goto done; }
+    if (PyBytes_CheckExact(value))
+        rc = out_bulk(o, PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value));
+    else
+        rc = out_bulk(o, PyByteArray_AS_STRING(value), PyByteArray_GET_SIZE(value));
+    rc = rc < 0 ? -1 : 1;
+    Py_DECREF(value);
+done:
+    Py_DECREF(key);
+    return rc;
+}
+
+static int set_used(FastPath *fp, long long used) {
+    PyObject *v = PyLong_FromLongLong(used);
+    if (v == NULL) return -1;
+    int rc = PyObject_SetAttr(fp->strings, s_used, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* SET key value: replaces a plain string in place (the LRU and `used` as StringStore._bind
+ * does) or creates a key through StringStore._bind itself; anything else is the Python path. */
+static int do_set(FastPath *fp, Run *run, const Arg *argv, Out *o) {
+    if (argv[2].n >= fp->large_value) return 0;
+    if (run->limit < 0) {
+        run->limit = get_ll(fp->strings, s_limit);
+        if (run->limit < 0) return PyErr_Occurred() ? -1 : 0;
+    }
+    long long used = get_ll(fp->strings, s_used);
+    if (used == -1 && PyErr_Occurred()) return -1;
+    long long cost = argv[1].n + argv[2].n + fp->entry_overhead;
+    if (used + cost > run->limit) return 0;  /* eviction (or OOM): the Python path */
+    PyObject *key = PyBytes_FromStringAndSize(argv[1].p, argv[1].n);
+    if (key == NULL) return -1;
+    int rc = 0;
+    PyObject *value = NULL, *pycost = NULL, *entry = PyDict_GetItemWithError(run->data, key);
+    if (entry == NULL && PyErr_Occurred()) { rc = -1; goto done; }
+    Py_XINCREF(entry);
+    if (entry != NULL) {
+        int plain = plain_string(fp, entry);
+        if (plain != 1) { rc = plain; goto done; }
+        PyObject *before = PyDict_GetItemWithError(run->lru, key);  /* borrowed */
+        if (before == NULL) { rc = PyErr_Occurred() ? -1 : 0; goto done; }
+        long long was = PyLong_AsLongLong(before);
+        if (was == -1 && PyErr_Occurred()) { rc = -1; goto done; }
+        value = PyBytes_FromStringAndSize(argv[2].p, argv[2].n);
+        pycost = PyLong_FromLongLong(cost);
+        if (value == NULL || pycost == NULL || PyObject_SetItem(run->lru, key, pycost) < 0) {
+            rc = -1; goto done;
+        }
+        PyObject *r = PyObject_CallMethodOneArg(run->lru, s_move_to_end, key);
+        if (r == NULL) { rc = -1; goto done; }
+        Py_DECREF(r);
+        if (set_used(fp, used + cost - was) < 0) { rc = -1; goto done; }
+        rc = PyObject_SetAttr(entry, s_value, value) < 0 ? -1 : 1;
+    } else {
+        value = PyBytes_FromStringAndSize(argv[2].p, argv[2].n);
+        pycost = PyLong_FromLongLong(cost);
+        if (value == NULL || pycost == NULL) { rc = -1; goto done; }
+        PyObject *fresh = PyObject_CallOneArg(fp->entry_type, value);
+        if (fresh == NULL) { rc = -1; goto done; }
+        PyObject *r = PyObject_CallMethodObjArgs(fp->strings, s_bind, key, fresh, pycost, NULL);
+        Py_DECREF(fresh);
+        rc = r == NULL ? -1 : 1;
+        Py_XDECREF(r);
+    }
+    if (rc == 1 && out_put(o, "+OK\r\n", 5) < 0) rc = -1;
+done:
+    Py_XDECREF(entry);
+    Py_XDECREF(value);
+    Py_XDECREF(pycost);
+    Py_DECREF(key);
+    return rc;
+}
+
+static int do_exists(FastPath *fp, Run *run, const Arg *argv, int argc, Out *o) {
+    long long found = 0;
+    for (int i = 1; i < argc; i++) {  /* first pass: no key with a TTL (expiry is Python's) */
+        PyObject *key = PyBytes_FromStringAndSize(argv[i].p, argv[i].n);
+        if (key == NULL) return -1;
+        PyObject *entry = PyDict_GetItemWithError(run->data, key);
+        Py_DECREF(key);
+        if (entry == NULL) {
+            if (PyErr_Occurred()) return -1;
+            continue;
+        }
+        PyObject *exp = PyObject_GetAttr(entry, s_expire_at);
+        if (exp == NULL) return -1;
+        int plain = exp == Py_None;
+        Py_DECREF(exp);
+        if (!plain) return 0;
+        found++;
+    }
+    return out_int(o, found) < 0 ? -1 : 1;
+}
+
+static int execute(FastPath *fp, Run *run, int cmd, const Arg *argv, int argc, Out *o,
+                   int resp3) {
+    switch (cmd) {
+    case C_PING:
+        if (argc == 1) return out_put(o, "+PONG\r\n", 7) < 0 ? -1 : 1;
+        return out_bulk(o, argv[1].p, argv[1].n) < 0 ? -1 : 1;
+    case C_ECHO:
+        return out_bulk(o, argv[1].p, argv[1].n) < 0 ? -1 : 1;
+    case C_GET:
+        return do_get(fp, run, argv, o, resp3);
+    case C_SET:
+        return do_set(fp, run, argv, o);
+    case C_EXISTS:
+        return do_exists(fp, run, argv, argc, o);
+    }
+    return 0;
+}
+
+static int add_attr(PyObject *obj, PyObject *name, PyObject *delta) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    PyObject *sum = PyNumber_Add(v, delta);
+    Py_DECREF(v);
+    if (sum == NULL) return -1;
+    int rc = PyObject_SetAttr(obj, name, sum);
+    Py_DECREF(sum);
+    return rc;
+}
+
+static int add_count(PyObject *obj, PyObject *name, long long n) {
+    if (n == 0) return 0;
+    PyObject *d = PyLong_FromLongLong(n);
+    if (d == NULL) return -1;
+    int rc = add_attr(obj, name, d);
+    Py_DECREF(d);
+    return rc;
+}
+
+/* Write the run's counters back: keyspace hits/misses, INFO commandstats. */
+static int write_back(FastPath *fp, Run *run) {
+    if (add_count(fp->keyspace, s_hits, run->hits) < 0) return -1;
+    if (add_count(fp->keyspace, s_misses, run->misses) < 0) return -1;
+    for (int c = 0; c < N_CMDS; c++) {
+        if (run->calls[c] == 0) continue;
+        PyObject *commands = PyObject_GetAttr(fp->cmdstats, s_commands);
+        if (commands == NULL) return -1;
+        PyObject *stat = PyDict_GetItemWithError(commands, s_names[c]);
+        Py_XINCREF(stat);
+        Py_DECREF(commands);
+        if (stat == NULL) {
+            if (PyErr_Occurred()) return -1;
+            stat = PyObject_CallMethodOneArg(fp->cmdstats, s_stat, s_names[c]);
+            if (stat == NULL) return -1;
+        }
+        PyObject *secs = PyFloat_FromDouble(run->seconds[c]);
+        int rc = secs == NULL ? -1 : add_count(stat, s_calls, run->calls[c]);
+        if (rc == 0) rc = add_attr(stat, s_seconds, secs);
+        Py_XDECREF(secs);
+        Py_DECREF(stat);
+        if (rc < 0) return -1;
+    }
+    return 0;
+}
+
+static PyObject *argv_list(const Arg *argv, int argc) {
+    PyObject *list = PyList_New(argc);
+    if (list == NULL) return NULL;
+    for (int i = 0; i < argc; i++) {
+        PyObject *a = PyBytes_FromStringAndSize(argv[i].p, argv[i].n);
+        if (a == NULL) { Py_DECREF(list); return NULL; }
+        PyList_SET_ITEM(list, i, a);
+    }
+    return list;
+}
+
+static PyObject *fp_run(FastPath *fp, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t pos, end, max_bulk, max_args, max_out;
+    PyObject *out_list;
+    int resp3;
+    double slow;
+    if (!PyArg_ParseTuple(args, "y*nnO!pnndn", &view, &pos, &end, &PyList_Type, &out_list,
+                          &resp3, &max_bulk, &max_args, &slow, &max_out))
+        return NULL;
+    Run run;
+    memset(&run, 0, sizeof run);
+    run.limit = -1;
+    Out o = {NULL, 0, 0};
+    PyObject *slow_hit = NULL, *result = NULL;
+    Py_ssize_t executed = 0;
+    int last = -1, failed = 0;
+    run.data = PyObject_GetAttr(fp->keyspace, s_data);
+    run.lru = run.data == NULL ? NULL : PyObject_GetAttr(fp->strings, s_lru);
+    if (run.lru == NULL || !PyDict_Check(run.data) || !PyDict_Check(run.lru)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "unexpected store layout");
+        goto fail;
+    }
+    const char *base = (const char *)view.buf;
+    if (end > view.len) end = view.len;
+    while (pos < end && o.len < max_out) {
+        Arg argv[MAX_ARGV];
+        int argc;
+        const char *next;
+        if (scan_one(base + pos, base + end, max_bulk, max_args, argv, &argc, &next) < 0) break;
+        int cmd = command_of(argv, argc);
+        if (cmd < 0) break;
+        double started = now_s();
+        int rc = execute(fp, &run, cmd, argv, argc, &o, resp3);
+        if (rc < 0) { failed = 1; break; }
+        if (rc == 0) break;
+        double elapsed = now_s() - started;
+        run.calls[cmd]++;
+        run.seconds[cmd] += elapsed;
+        executed++;
+        last = cmd;
+        pos = next - base;
+        if (elapsed > slow) {
+            PyObject *list = argv_list(argv, argc);
+            slow_hit = list == NULL ? NULL : Py_BuildValue("(dN)", started, list);
+            if (slow_hit == NULL) failed = 1;
+            break;
+        }
+    }
+    if (write_back(fp, &run) < 0 || failed) goto fail;
+    if (o.len > 0) {
+        PyObject *bytes = PyBytes_FromStringAndSize(o.buf, o.len);
+        if (bytes == NULL || PyList_Append(out_list, bytes) < 0) { Py_XDECREF(bytes); goto fail; }
+        Py_DECREF(bytes);
+    }
+    result = Py_BuildValue("(nniO)", pos, executed, last, slow_hit ? slow_hit : Py_None);
+fail:
+    Py_XDECREF(slow_hit);
+    Py_XDECREF(run.data);
+    Py_XDECREF(run.lru);
+    PyMem_Free(o.buf);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyMethodDef fp_methods[] = {
+    {"run", (PyCFunction)fp_run, METH_VARARGS, "Execute the leading fast commands of a buffer."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FastPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvstrata.server._fastpath.FastPath",
+    .tp_basicsize = sizeof(FastPath),
+    .tp_dealloc = (destructor)fp_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The compiled small-command path bound to one server's stores.",
+    .tp_methods = fp_methods,
+    .tp_init = (initproc)fp_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fastpath", "Compiled small-command path.", -1, NULL,
+};
+
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC PyInit__fastpath(void) {
+    INTERN(s_data, "_data");
+    INTERN(s_lru, "_lru");
+    INTERN(s_value, "value");
+    INTERN(s_expire_at, "expire_at");
+    INTERN(s_hits, "hits");
+    INTERN(s_misses, "misses");
+    INTERN(s_used, "used");
+    INTERN(s_limit, "limit");
+    INTERN(s_move_to_end, "move_to_end");
+    INTERN(s_bind, "_bind");
+    INTERN(s_commands, "commands");
+    INTERN(s_stat, "_stat");
+    INTERN(s_calls, "calls");
+    INTERN(s_seconds, "seconds");
+    for (int c = 0; c < N_CMDS; c++) INTERN(s_names[c], NAMES[c]);
+    if (PyType_Ready(&FastPathType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&FastPathType);
+    if (PyModule_AddObject(m, "FastPath", (PyObject *)&FastPathType) < 0) {
+        Py_DECREF(&FastPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
