@@ -17,6 +17,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <string.h>
 #include <time.h>
 
@@ -51,9 +52,22 @@ static int out_put(Out *o, const char *s, Py_ssize_t n) {
     return 0;
 }
 
+/* prefix, the decimal digits of v (>= 0) and CRLF into line; its length */
+static int format_line(char *line, char prefix, long long v) {
+    char digits[24];
+    int d = 0;
+    do { digits[d++] = (char)('0' + v % 10); v /= 10; } while (v > 0);
+    int h = 0;
+    line[h++] = prefix;
+    while (d > 0) line[h++] = digits[--d];
+    line[h++] = '\r';
+    line[h++] = '\n';
+    return h;
+}
+
 static int out_bulk(Out *o, const char *s, Py_ssize_t n) {
     char head[32];
-    int h = snprintf(head, sizeof head, "$%zd\r\n", n);
+    int h = format_line(head, '$', n);
     if (out_reserve(o, h + n + 2) < 0) return -1;
     memcpy(o->buf + o->len, head, (size_t)h);
     memcpy(o->buf + o->len + h, s, (size_t)n);
@@ -62,10 +76,9 @@ static int out_bulk(Out *o, const char *s, Py_ssize_t n) {
     return 0;
 }
 
-static int out_int(Out *o, long long v) {
+static int out_int(Out *o, long long v) {  /* v >= 0 (a count) */
     char line[32];
-    int h = snprintf(line, sizeof line, ":%lld\r\n", v);
-    return out_put(o, line, h);
+    return out_put(o, line, format_line(line, ':', v));
 }
 
 static double now_s(void) {
@@ -180,10 +193,43 @@ typedef struct {
     PyObject_HEAD
     PyObject *keyspace, *strings, *cmdstats, *entry_type;
     Py_ssize_t large_value, entry_overhead;
+    /* where StringEntry keeps `value` and `expire_at` (its __slots__), -1: use getattr */
+    Py_ssize_t value_at, expire_at;
 } FastPath;
 
 static PyObject *s_data, *s_lru, *s_value, *s_expire_at, *s_hits, *s_misses, *s_used, *s_limit,
     *s_move_to_end, *s_bind, *s_commands, *s_stat, *s_calls, *s_seconds, *s_names[N_CMDS];
+
+/* The offset of a __slots__ attribute of type tp (a member descriptor), -1 if it is not one. */
+static Py_ssize_t slot_offset(PyObject *tp, PyObject *name) {
+    PyObject *d = PyObject_GetAttr(tp, name);
+    if (d == NULL) return -1;
+    Py_ssize_t off = -1;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) off = m->offset;
+    }
+    Py_DECREF(d);
+    return off;
+}
+
+/* entry.<name> as a new reference; NULL with no error set when a slot is empty */
+static PyObject *slot_get(PyObject *entry, Py_ssize_t at, PyObject *name) {
+    if (at < 0) return PyObject_GetAttr(entry, name);
+    PyObject *v = *(PyObject **)((char *)entry + at);
+    Py_XINCREF(v);
+    return v;
+}
+
+static int slot_set(PyObject *entry, Py_ssize_t at, PyObject *name, PyObject *value) {
+    if (at < 0) return PyObject_SetAttr(entry, name, value);
+    PyObject **slot = (PyObject **)((char *)entry + at);
+    PyObject *old = *slot;
+    Py_INCREF(value);
+    *slot = value;
+    Py_XDECREF(old);
+    return 0;
+}
 
 static void fp_dealloc(FastPath *self) {
     Py_XDECREF(self->keyspace);
@@ -204,6 +250,9 @@ static int fp_init(FastPath *self, PyObject *args, PyObject *kw) {
     Py_INCREF(et); Py_XSETREF(self->entry_type, et);
     self->large_value = large;
     self->entry_overhead = overhead;
+    self->value_at = slot_offset(et, s_value);
+    self->expire_at = slot_offset(et, s_expire_at);
+    if (PyErr_Occurred()) return -1;
     return 0;
 }
 
@@ -214,13 +263,16 @@ typedef struct {
     long long calls[N_CMDS];
     double seconds[N_CMDS];
     long long limit;  /* -1: not read yet */
+    long long used;   /* StringStore.used, read when first needed, written back at the end */
+    int used_read, used_dirty;
+    PyObject *move_to_end;  /* the LRU's bound move_to_end, got when first needed */
 } Run;
 
 /* 1: the entry is a plain string without a TTL (the cases handled here); 0: not; -1 error */
 static int plain_string(FastPath *fp, PyObject *entry) {
     if (Py_TYPE(entry) != (PyTypeObject *)fp->entry_type) return 0;
-    PyObject *exp = PyObject_GetAttr(entry, s_expire_at);
-    if (exp == NULL) return -1;
+    PyObject *exp = slot_get(entry, fp->expire_at, s_expire_at);
+    if (exp == NULL) return PyErr_Occurred() ? -1 : 0;
     int plain = exp == Py_None;
     Py_DECREF(exp);
     return plain;
@@ -232,6 +284,33 @@ static long long get_ll(PyObject *obj, PyObject *name) {
     long long r = PyLong_AsLongLong(v);
     Py_DECREF(v);
     return r;
+}
+
+static int set_used(FastPath *fp, long long used) {
+    PyObject *v = PyLong_FromLongLong(used);
+    if (v == NULL) return -1;
+    int rc = PyObject_SetAttr(fp->strings, s_used, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* Write StringStore.used back when this run changed it (before Python code reads it). */
+static int sync_used(FastPath *fp, Run *run) {
+    if (!run->used_dirty) return 0;
+    run->used_dirty = 0;
+    return set_used(fp, run->used);
+}
+
+/* lru.move_to_end(key) */
+static int touch(Run *run, PyObject *key) {
+    if (run->move_to_end == NULL) {
+        run->move_to_end = PyObject_GetAttr(run->lru, s_move_to_end);
+        if (run->move_to_end == NULL) return -1;
+    }
+    PyObject *r = PyObject_CallOneArg(run->move_to_end, key);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
 }
 
 /* Each do_* returns 1 done, 0 not for us (nothing changed), -1 error. */
@@ -249,19 +328,18 @@ static int do_get(FastPath *fp, Run *run, const Arg *argv, Out *o, int resp3) {
     }
     Py_INCREF(entry);
     int plain = plain_string(fp, entry);
-    PyObject *value = plain == 1 ? PyObject_GetAttr(entry, s_value) : NULL;
+    PyObject *value = plain == 1 ? slot_get(entry, fp->value_at, s_value) : NULL;
     Py_DECREF(entry);
-    if (plain != 1 || value == NULL) { rc = plain < 0 || (plain == 1) ? -1 : 0; goto done; }
+    if (plain != 1 || value == NULL) {
+        rc = plain < 0 || PyErr_Occurred() ? -1 : 0;
+        goto done;
+    }
     if (!PyBytes_CheckExact(value) && !PyByteArray_CheckExact(value)) {
         Py_DECREF(value); rc = 0; goto done;
     }
     run->hits++;
     int in_lru = PyDict_Contains(run->lru, key);
-    if (in_lru == 1) {
-        PyObject *r = PyObject_CallMethodOneArg(run->lru, s_move_to_end, key);
-        if (r == NULL) in_lru = -1;
-        Py_XDECREF(r);
-    }
+    if (in_lru == 1 && touch(run, key) < 0) in_lru = -1;
     if (in_lru < 0) { Py_DECREF(value); rc = -1; goto done; }
     if (PyBytes_CheckExact(value))
         rc = out_bulk(o, PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value));
@@ -274,14 +352,6 @@ done:
     return rc;
 }
 
-static int set_used(FastPath *fp, long long used) {
-    PyObject *v = PyLong_FromLongLong(used);
-    if (v == NULL) return -1;
-    int rc = PyObject_SetAttr(fp->strings, s_used, v);
-    Py_DECREF(v);
-    return rc;
-}
-
 /* SET key value: replaces a plain string in place (the LRU and `used` as StringStore._bind
  * does) or creates a key through StringStore._bind itself; anything else is the Python path. */
 static int do_set(FastPath *fp, Run *run, const Arg *argv, Out *o) {
@@ -290,10 +360,13 @@ static int do_set(FastPath *fp, Run *run, const Arg *argv, Out *o) {
         run->limit = get_ll(fp->strings, s_limit);
         if (run->limit < 0) return PyErr_Occurred() ? -1 : 0;
     }
-    long long used = get_ll(fp->strings, s_used);
-    if (used == -1 && PyErr_Occurred()) return -1;
+    if (!run->used_read) {
+        run->used = get_ll(fp->strings, s_used);
+        if (run->used == -1 && PyErr_Occurred()) return -1;
+        run->used_read = 1;
+    }
     long long cost = argv[1].n + argv[2].n + fp->entry_overhead;
-    if (used + cost > run->limit) return 0;  /* eviction (or OOM): the Python path */
+    if (run->used + cost > run->limit) return 0;  /* eviction (or OOM): the Python path */
     PyObject *key = PyBytes_FromStringAndSize(argv[1].p, argv[1].n);
     if (key == NULL) return -1;
     int rc = 0;
@@ -312,17 +385,17 @@ static int do_set(FastPath *fp, Run *run, const Arg *argv, Out *o) {
         if (value == NULL || pycost == NULL || PyObject_SetItem(run->lru, key, pycost) < 0) {
             rc = -1; goto done;
         }
-        PyObject *r = PyObject_CallMethodOneArg(run->lru, s_move_to_end, key);
-        if (r == NULL) { rc = -1; goto done; }
-        Py_DECREF(r);
-        if (set_used(fp, used + cost - was) < 0) { rc = -1; goto done; }
-        rc = PyObject_SetAttr(entry, s_value, value) < 0 ? -1 : 1;
+        if (touch(run, key) < 0) { rc = -1; goto done; }
+        run->used += cost - was;
+        run->used_dirty = 1;
+        rc = slot_set(entry, fp->value_at, s_value, value) < 0 ? -1 : 1;
     } else {
         value = PyBytes_FromStringAndSize(argv[2].p, argv[2].n);
         pycost = PyLong_FromLongLong(cost);
         if (value == NULL || pycost == NULL) { rc = -1; goto done; }
         PyObject *fresh = PyObject_CallOneArg(fp->entry_type, value);
-        if (fresh == NULL) { rc = -1; goto done; }
+        if (fresh == NULL || sync_used(fp, run) < 0) { Py_XDECREF(fresh); rc = -1; goto done; }
+        run->used_read = 0;  /* _bind changes it */
         PyObject *r = PyObject_CallMethodObjArgs(fp->strings, s_bind, key, fresh, pycost, NULL);
         Py_DECREF(fresh);
         rc = r == NULL ? -1 : 1;
@@ -398,6 +471,7 @@ static int add_count(PyObject *obj, PyObject *name, long long n) {
 
 /* Write the run's counters back: keyspace hits/misses, INFO commandstats. */
 static int write_back(FastPath *fp, Run *run) {
+    if (sync_used(fp, run) < 0) return -1;
     if (add_count(fp->keyspace, s_hits, run->hits) < 0) return -1;
     if (add_count(fp->keyspace, s_misses, run->misses) < 0) return -1;
     for (int c = 0; c < N_CMDS; c++) {
@@ -433,15 +507,21 @@ static PyObject *argv_list(const Arg *argv, int argc) {
     return list;
 }
 
-static PyObject *fp_run(FastPath *fp, PyObject *args) {
-    Py_buffer view;
-    Py_ssize_t pos, end, max_bulk, max_args, max_out;
-    PyObject *out_list;
-    int resp3;
-    double slow;
-    if (!PyArg_ParseTuple(args, "y*nnO!pnndn", &view, &pos, &end, &PyList_Type, &out_list,
-                          &resp3, &max_bulk, &max_args, &slow, &max_out))
+static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9 || !PyList_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "run(buf, pos, end, out, resp3, max_bulk, max_args, slow, max_out)");
         return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *out_list = args[3];
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
+    int resp3 = PyObject_IsTrue(args[4]);
+    Py_ssize_t max_bulk = PyLong_AsSsize_t(args[5]), max_args = PyLong_AsSsize_t(args[6]);
+    double slow = PyFloat_AsDouble(args[7]);
+    Py_ssize_t max_out = PyLong_AsSsize_t(args[8]);
+    if (PyErr_Occurred()) { PyBuffer_Release(&view); return NULL; }
     Run run;
     memset(&run, 0, sizeof run);
     run.limit = -1;
@@ -457,6 +537,7 @@ static PyObject *fp_run(FastPath *fp, PyObject *args) {
     }
     const char *base = (const char *)view.buf;
     if (end > view.len) end = view.len;
+    double clock = now_s();
     while (pos < end && o.len < max_out) {
         Arg argv[MAX_ARGV];
         int argc;
@@ -464,11 +545,12 @@ static PyObject *fp_run(FastPath *fp, PyObject *args) {
         if (scan_one(base + pos, base + end, max_bulk, max_args, argv, &argc, &next) < 0) break;
         int cmd = command_of(argv, argc);
         if (cmd < 0) break;
-        double started = now_s();
+        double started = clock;
         int rc = execute(fp, &run, cmd, argv, argc, &o, resp3);
         if (rc < 0) { failed = 1; break; }
         if (rc == 0) break;
-        double elapsed = now_s() - started;
+        clock = now_s();  /* this command's end, the next one's start */
+        double elapsed = clock - started;
         run.calls[cmd]++;
         run.seconds[cmd] += elapsed;
         executed++;
@@ -492,13 +574,14 @@ fail:
     Py_XDECREF(slow_hit);
     Py_XDECREF(run.data);
     Py_XDECREF(run.lru);
+    Py_XDECREF(run.move_to_end);
     PyMem_Free(o.buf);
     PyBuffer_Release(&view);
     return result;
 }
 
 static PyMethodDef fp_methods[] = {
-    {"run", (PyCFunction)fp_run, METH_VARARGS, "Execute the leading fast commands of a buffer."},
+    {"run", (PyCFunction)(void (*)(void))fp_run, METH_FASTCALL, "Execute the leading fast commands of a buffer."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -133,14 +133,26 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
     # -- input ----------------------------------------------------------------------------
     def _process(self) -> None:
         """Decode what is buffered and run it, unless paused or an async command is running."""
-        values = self.server.config.values
-        self._slow = self.server.slowlog_threshold  # once per batch
+        server = self.server
+        values = server.config.values
+        self._slow = server.slowlog_threshold  # once per batch
         queue = self._queue
         intake = self._in
         executed = 0
-        fast = self.server.fastpath
-        if fast is not None and not usable(self.server, self.client.authenticated):
+        fast = server.fastpath
+        if fast is not None and not usable(server, self.client.authenticated):
             fast = None
+        if fast is not None and not queue and not self._closing and not self._close_after:
+            # the common case in one step: the whole batch runs on the compiled path
+            limits = values["proto-max-bulk-len"], values["max-multibulk-len"]
+            executed = self._run_fast(fast, limits)
+            if executed and intake.start == intake.end:
+                server.stats.total_commands_processed += executed
+                self.client.commands += executed
+                intake.start = intake.end = 0
+                self._flush()
+                self._update_reading()  # reading may have been paused while busy
+                return
         try:
             while not self._closing and not self._close_after:
                 if queue and not self._busy and not self._write_paused:
@@ -164,6 +176,8 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
                     limits = UNAUTH_MAX_BULK, UNAUTH_MAX_ARGS
                 if fast is not None and not queue and (ran := self._run_fast(fast, limits)):
                     executed += ran
+                    if intake.start == intake.end:
+                        break  # all consumed: nothing left to decode
                     continue
                 if not intake.decode(queue, *limits):
                     break
