@@ -5,7 +5,7 @@ round); the table shows medians over the rounds: ops/s, server CPU µs per op (u
 read from /proc around each test) and kvstrata's CPU ratio to redis-server's. Targets: CPU per
 small op ≤ 1.5× redis-server's, with and without pipelining; 1 MiB GET throughput ≥
 redis-server's. ``--python-path`` adds a kvstrata server without its compiled small-command path
-(``KVSTRATA_FASTPATH=0``), the before/after of that path in one run.
+(``--fast-path no``), the before/after of that path in one run.
 
     python bench/bench_resp.py [--requests 50000] [--clients 16] [--rounds 3] [--python-path]
 """
@@ -27,19 +27,31 @@ from _servers import Proc, kvstrata_server, redis_server
 TARGET = 1.5  # kvstrata CPU per small op / redis-server's
 
 
+def cpu_seconds(proc: Proc) -> float:
+    """On-CPU time (user + system) of all the server's threads, in nanosecond resolution
+    (/proc/PID/task/*/schedstat; /proc/PID/stat counts 10 ms ticks, too coarse here)."""
+    total = 0
+    for task in Path(f"/proc/{proc.process.pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
+
+
 def run_benchmark(
     proc: Proc, tests: str, n: int, clients: int, pipeline: int, size: int
 ) -> dict[str, tuple[float, float]]:
     """{test: (ops/s, server CPU µs per op)} — CPU measured around each test separately."""
     results = {}
     for test in tests.split(","):
-        before = proc.cpu_seconds()
+        before = cpu_seconds(proc)
         out = subprocess.run(
             ["redis-benchmark", "-p", str(proc.port), "-t", test, "-n", str(n), "-c",
              str(clients), "-P", str(pipeline), "-d", str(size), "-r", "1000", "--csv", "-q"],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
-        cpu = proc.cpu_seconds() - before
+        cpu = cpu_seconds(proc) - before
         for row in csv.reader(io.StringIO(out)):
             if row and row[0] != "test":
                 results[row[0]] = (float(row[1]), cpu * 1e6 / n)
@@ -64,7 +76,7 @@ def main() -> None:
         servers = [stack.enter_context(redis_server())]
         servers.append(stack.enter_context(kvstrata_server("--dram-capacity", "256MiB")))
         if args.python_path:
-            python = kvstrata_server("--dram-capacity", "256MiB", env={"KVSTRATA_FASTPATH": "0"})
+            python = kvstrata_server("--dram-capacity", "256MiB", "--fast-path", "no")
             servers.append(stack.enter_context(python))
         names = ["redis", "kvstrata", "kvstrata-py"][: len(servers)]
         for rnd in range(args.rounds):

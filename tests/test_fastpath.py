@@ -70,11 +70,10 @@ def start(make_server: Callable[..., RunningServer], path: str) -> Callable[...,
     """Start a server whose connections use the compiled path or only the Python one."""
 
     def factory(**overrides: Any) -> RunningServer:
-        srv = make_server(**overrides)
         if path == "python":
-            srv.call(lambda: setattr(srv.server, "fastpath", None))
-        else:
-            assert srv.server.fastpath is not None
+            overrides["fast_path"] = "no"
+        srv = make_server(**overrides)
+        assert (srv.server.fastpath is not None) == fastpath.AVAILABLE
         return srv
 
     return factory
@@ -124,6 +123,37 @@ def mixed_script() -> list[bytes]:
     ]  # fmt: skip
 
 
+class Spy:
+    """Wraps the compiled path and counts the commands it ran."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.ran = 0
+
+    def run(self, *args: Any) -> Any:
+        result = self.inner.run(*args)
+        self.ran += result[1]
+        return result
+
+
+def test_config_set_fast_path_switches_paths(make_server: Callable[..., RunningServer]) -> None:
+    if not fastpath.AVAILABLE:
+        pytest.skip("kvstrata.server._fastpath is not built (python3 setup.py build_ext)")
+    srv = make_server()
+    spy = Spy(srv.server.fastpath)
+    srv.call(lambda: setattr(srv.server, "fastpath", spy))
+    session = Session(srv.port)
+    assert session.send(cmd("CONFIG", "SET", "fast-path", "no") + cmd("SET", "k", "v")) == (
+        b"+OK\r\n+OK\r\n"
+    )
+    assert spy.ran == 0
+    assert session.send(cmd("CONFIG", "SET", "fast-path", "yes")) == b"+OK\r\n"
+    assert spy.ran == 0  # the setting is read once per batch: this one started without it
+    assert session.send(cmd("GET", "k")) == b"$1\r\nv\r\n"
+    assert spy.ran == 2  # GET k and the ECHO END marker
+    session.close()
+
+
 def observe(srv: RunningServer, script: list[bytes]) -> tuple[list[bytes], dict[str, Any]]:
     """Replies of each step of ``script`` on one connection, then the server's state."""
     session = Session(srv.port)
@@ -139,11 +169,12 @@ def test_both_paths_same_replies_and_state(make_server: Callable[..., RunningSer
     value, a long pipeline) byte for byte and end in the same state."""
     if not fastpath.AVAILABLE:
         pytest.skip("kvstrata.server._fastpath is not built (python3 setup.py build_ext)")
-    compiled, python = make_server(), make_server()
-    python.call(lambda: setattr(python.server, "fastpath", None))
-    assert compiled.server.fastpath is not None
+    compiled, python = make_server(), make_server(fast_path="no")
+    spy = Spy(compiled.server.fastpath)
+    compiled.call(lambda: setattr(compiled.server, "fastpath", spy))
     replies, st = observe(compiled, mixed_script())
     assert (replies, st) == observe(python, mixed_script())
+    assert spy.ran > 600  # most of the script ran on the compiled path
     assert replies[0] == b"+PONG\r\n$5\r\nhello\r\n+PONG\r\n$3\r\nx y\r\n$3\r\n\r\n\x00\r\n"
     assert replies[1] == b"$-1\r\n+OK\r\n$1\r\nv\r\n$1\r\nv\r\n"
     assert replies[3] == b":2\r\n:1\r\n+OK\r\n$6\r\ninline\r\n"
@@ -252,10 +283,7 @@ def compiled() -> tuple[FakeServer, Any]:
     if not fastpath.AVAILABLE:
         pytest.skip("kvstrata.server._fastpath is not built (python3 setup.py build_ext)")
     srv = FakeServer()
-    fast = fastpath.bind(srv)  # type: ignore[arg-type]
-    if fast is None:
-        pytest.fail("KVSTRATA_FASTPATH disables the compiled path in this environment")
-    return srv, fast
+    return srv, fastpath.bind(srv)  # type: ignore[arg-type]
 
 
 def run(fast: Any, data: bytes, resp3: bool = False, slow: float = 1e9) -> tuple[Any, ...]:

@@ -18,13 +18,12 @@ quoted inline commands. Whole batches go the Python way (:func:`usable`) while a
 authenticated, the server is loading, a ``MONITOR`` is attached, or the latency histograms of
 the metrics endpoint are on.
 
-``KVSTRATA_FASTPATH=0`` in the environment (read at import) or :data:`ENABLED` ``= False``
-turns it off.
+``fast-path no`` (``CONFIG SET fast-path no``, ``--fast-path no``, ``KVSTRATA_FAST_PATH=no``)
+sends every command the Python way.
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.store.keyspace import StringEntry
@@ -49,13 +48,13 @@ def _load() -> Any:
 
 
 _ext = _load()
+#: the extension is built (python3 setup.py build_ext, or any pip install with a compiler)
 AVAILABLE = _ext is not None
-ENABLED = AVAILABLE and os.environ.get("KVSTRATA_FASTPATH", "1") not in ("0", "no", "off")
 
 
 def bind(server: Server) -> Any:
-    """The compiled path bound to ``server``'s stores, or None (not built, or disabled)."""
-    if not ENABLED or _ext is None:
+    """The compiled path bound to ``server``'s stores, or None when it is not built."""
+    if _ext is None:
         return None
     return _ext.FastPath(
         server.keyspace, server.strings, server.cmdstats, StringEntry, LARGE_VALUE,
@@ -67,6 +66,7 @@ def usable(server: Server, authenticated: bool) -> bool:
     """Whether a batch may start on the compiled path (see the module docstring)."""
     return (
         authenticated
+        and server.config.values["fast-path"]
         and not server.loading
         and not server.monitors
         and not server.cmdstats.histograms
