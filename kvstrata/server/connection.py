@@ -151,7 +151,8 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
                 self.client.commands += executed
                 intake.start = intake.end = 0
                 self._flush()
-                self._update_reading()  # reading may have been paused while busy
+                if self._read_paused:  # paused while it was busy: resume
+                    self._update_reading()
                 return
         try:
             while not self._closing and not self._close_after:
@@ -199,8 +200,9 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
             return 0
         if intake.start == intake.end or intake.receiving_payload:
             return 0
+        out = self._out
         pos, ran, last, slow = fast.run(
-            intake.buf, intake.start, intake.end, self._out, self._resp3, limits[0], limits[1],
+            intake.buf, intake.start, intake.end, out, self._resp3, limits[0], limits[1],
             self._slow, MAX_OUT,
         )  # fmt: skip
         if not ran:
@@ -209,7 +211,7 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         self.client.last_command = NAMES[last]
         if slow is not None:
             self.server.slowlog_record(slow[0], slow[1], self.client)
-        if len(self._out) >= FLUSH_PARTS or len(self._out[-1]) >= MAX_OUT:
+        if pos != intake.end and (len(out) >= FLUSH_PARTS or len(out[-1]) >= MAX_OUT):
             self._flush()  # lets the transport push back (pause_writing)
         return ran
 
