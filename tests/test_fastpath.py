@@ -120,6 +120,8 @@ def mixed_script() -> list[bytes]:
         + cmd("SET", chunk_key, "plain") + cmd("GET", chunk_key),
         cmd("SET", "big", b"x" * 70_000) + cmd("GET", "k") + cmd("STRLEN", "big"),
         b"".join(cmd("SET", f"p{i % 37}", f"v{i}") + cmd("GET", f"p{i % 41}") for i in range(300)),
+        # replies far larger than the requests: flushed in slices (fastpath.MAX_OUT)
+        cmd("SET", "w", b"w" * 60_000) + cmd("GET", "w") * 40 + cmd("ECHO", b"y" * 70_000),
     ]  # fmt: skip
 
 
@@ -182,6 +184,8 @@ def test_both_paths_same_replies_and_state(make_server: Callable[..., RunningSer
     assert replies[5] == b"+OK\r\n$-1\r\n:0\r\n"
     assert replies[6].startswith(b"-ERR wrong number of arguments for 'get' command\r\n")
     assert replies[7].count(b"-WRONGTYPE") == 1 and replies[7].endswith(b"+OK\r\n$5\r\nplain\r\n")
+    one_w = b"$60000\r\n" + b"w" * 60_000 + b"\r\n"
+    assert replies[-1] == b"+OK\r\n" + one_w * 40 + b"$70000\r\n" + b"y" * 70_000 + b"\r\n"
     assert st["expired"] == 1 and st["hits"] > 100 and st["misses"] > 10
     assert st["cmdstats"]["GET"][0] > 300 and st["cmdstats"]["GET"][2] == 1  # one rejected
     assert st["clients"] == [(st["processed"], "ECHO")]
