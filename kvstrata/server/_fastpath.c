@@ -191,10 +191,11 @@ static int command_of(const Arg *argv, int argc) {
 
 typedef struct {
     PyObject_HEAD
-    PyObject *keyspace, *strings, *cmdstats, *entry_type;
+    PyObject *keyspace, *strings, *cmdstats, *entry_type, *stat_type;
     Py_ssize_t large_value, entry_overhead;
-    /* where StringEntry keeps `value` and `expire_at` (its __slots__), -1: use getattr */
-    Py_ssize_t value_at, expire_at;
+    /* where StringEntry keeps `value` and `expire_at` and CommandStat `calls` and `seconds`
+     * (their __slots__); -1: use getattr */
+    Py_ssize_t value_at, expire_at, calls_at, seconds_at;
 } FastPath;
 
 static PyObject *s_data, *s_lru, *s_value, *s_expire_at, *s_hits, *s_misses, *s_used, *s_limit,
@@ -236,22 +237,27 @@ static void fp_dealloc(FastPath *self) {
     Py_XDECREF(self->strings);
     Py_XDECREF(self->cmdstats);
     Py_XDECREF(self->entry_type);
+    Py_XDECREF(self->stat_type);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int fp_init(FastPath *self, PyObject *args, PyObject *kw) {
-    PyObject *ks, *st, *cs, *et;
+    PyObject *ks, *st, *cs, *et, *ct;
     Py_ssize_t large, overhead;
-    if (!PyArg_ParseTuple(args, "OOOO!nn", &ks, &st, &cs, &PyType_Type, &et, &large, &overhead))
+    if (!PyArg_ParseTuple(args, "OOOO!O!nn", &ks, &st, &cs, &PyType_Type, &et, &PyType_Type,
+                          &ct, &large, &overhead))
         return -1;
     Py_INCREF(ks); Py_XSETREF(self->keyspace, ks);
     Py_INCREF(st); Py_XSETREF(self->strings, st);
     Py_INCREF(cs); Py_XSETREF(self->cmdstats, cs);
     Py_INCREF(et); Py_XSETREF(self->entry_type, et);
+    Py_INCREF(ct); Py_XSETREF(self->stat_type, ct);
     self->large_value = large;
     self->entry_overhead = overhead;
     self->value_at = slot_offset(et, s_value);
     self->expire_at = slot_offset(et, s_expire_at);
+    self->calls_at = slot_offset(ct, s_calls);
+    self->seconds_at = slot_offset(ct, s_seconds);
     if (PyErr_Occurred()) return -1;
     return 0;
 }
@@ -412,7 +418,7 @@ done:
 
 static int do_exists(FastPath *fp, Run *run, const Arg *argv, int argc, Out *o) {
     long long found = 0;
-    for (int i = 1; i < argc; i++) {  /* first pass: no key with a TTL (expiry is Python's) */
+    for (int i = 1; i < argc; i++) {  /* a key with a TTL: expiry is Python's, hand over */
         PyObject *key = PyBytes_FromStringAndSize(argv[i].p, argv[i].n);
         if (key == NULL) return -1;
         PyObject *entry = PyDict_GetItemWithError(run->data, key);
@@ -449,22 +455,26 @@ static int execute(FastPath *fp, Run *run, int cmd, const Arg *argv, int argc, O
     return 0;
 }
 
-static int add_attr(PyObject *obj, PyObject *name, PyObject *delta) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL) return -1;
+/* obj.<name> += delta (through its slot at `at` when >= 0) */
+static int add_attr(PyObject *obj, Py_ssize_t at, PyObject *name, PyObject *delta) {
+    PyObject *v = slot_get(obj, at, name);
+    if (v == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, name);
+        return -1;
+    }
     PyObject *sum = PyNumber_Add(v, delta);
     Py_DECREF(v);
     if (sum == NULL) return -1;
-    int rc = PyObject_SetAttr(obj, name, sum);
+    int rc = slot_set(obj, at, name, sum);
     Py_DECREF(sum);
     return rc;
 }
 
-static int add_count(PyObject *obj, PyObject *name, long long n) {
+static int add_count(PyObject *obj, Py_ssize_t at, PyObject *name, long long n) {
     if (n == 0) return 0;
     PyObject *d = PyLong_FromLongLong(n);
     if (d == NULL) return -1;
-    int rc = add_attr(obj, name, d);
+    int rc = add_attr(obj, at, name, d);
     Py_DECREF(d);
     return rc;
 }
@@ -472,8 +482,8 @@ static int add_count(PyObject *obj, PyObject *name, long long n) {
 /* Write the run's counters back: keyspace hits/misses, INFO commandstats. */
 static int write_back(FastPath *fp, Run *run) {
     if (sync_used(fp, run) < 0) return -1;
-    if (add_count(fp->keyspace, s_hits, run->hits) < 0) return -1;
-    if (add_count(fp->keyspace, s_misses, run->misses) < 0) return -1;
+    if (add_count(fp->keyspace, -1, s_hits, run->hits) < 0) return -1;
+    if (add_count(fp->keyspace, -1, s_misses, run->misses) < 0) return -1;
     for (int c = 0; c < N_CMDS; c++) {
         if (run->calls[c] == 0) continue;
         PyObject *commands = PyObject_GetAttr(fp->cmdstats, s_commands);
@@ -486,9 +496,11 @@ static int write_back(FastPath *fp, Run *run) {
             stat = PyObject_CallMethodOneArg(fp->cmdstats, s_stat, s_names[c]);
             if (stat == NULL) return -1;
         }
+        int own = Py_TYPE(stat) == (PyTypeObject *)fp->stat_type;
         PyObject *secs = PyFloat_FromDouble(run->seconds[c]);
-        int rc = secs == NULL ? -1 : add_count(stat, s_calls, run->calls[c]);
-        if (rc == 0) rc = add_attr(stat, s_seconds, secs);
+        int rc = secs == NULL ? -1 : add_count(stat, own ? fp->calls_at : -1, s_calls,
+                                               run->calls[c]);
+        if (rc == 0) rc = add_attr(stat, own ? fp->seconds_at : -1, s_seconds, secs);
         Py_XDECREF(secs);
         Py_DECREF(stat);
         if (rc < 0) return -1;
@@ -507,6 +519,46 @@ static PyObject *argv_list(const Arg *argv, int argc) {
     return list;
 }
 
+/* What one run may do: the connection's frame limits, protocol and slow-log threshold. */
+typedef struct {
+    Py_ssize_t max_bulk, max_args, max_out;
+    int resp3;
+    double slow;
+} Limits;
+
+/* Execute commands from base[*pos:end] until one is not for us; *pos, *last and *slow_hit
+ * (see the top of this file) updated. The number executed, or -1 on an error. */
+static Py_ssize_t run_commands(FastPath *fp, Run *run, const char *base, Py_ssize_t *pos,
+                               Py_ssize_t end, const Limits *lim, Out *o, int *last,
+                               PyObject **slow_hit) {
+    Py_ssize_t executed = 0;
+    double clock = now_s();
+    while (*pos < end && o->len < lim->max_out) {
+        Arg argv[MAX_ARGV];
+        int argc;
+        const char *next;
+        if (scan_one(base + *pos, base + end, lim->max_bulk, lim->max_args, argv, &argc, &next))
+            break;
+        int cmd = command_of(argv, argc);
+        if (cmd < 0) break;
+        double started = clock;
+        int rc = execute(fp, run, cmd, argv, argc, o, lim->resp3);
+        if (rc <= 0) return rc < 0 ? -1 : executed;
+        clock = now_s();  /* this command's end, the next one's start */
+        run->calls[cmd]++;
+        run->seconds[cmd] += clock - started;
+        executed++;
+        *last = cmd;
+        *pos = next - base;
+        if (clock - started > lim->slow) {
+            PyObject *list = argv_list(argv, argc);
+            *slow_hit = list == NULL ? NULL : Py_BuildValue("(dN)", started, list);
+            return *slow_hit == NULL ? -1 : executed;
+        }
+    }
+    return executed;
+}
+
 static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 9 || !PyList_CheckExact(args[3])) {
         PyErr_SetString(PyExc_TypeError,
@@ -515,58 +567,32 @@ static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
     }
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
-    PyObject *out_list = args[3];
     Py_ssize_t pos = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
-    int resp3 = PyObject_IsTrue(args[4]);
-    Py_ssize_t max_bulk = PyLong_AsSsize_t(args[5]), max_args = PyLong_AsSsize_t(args[6]);
-    double slow = PyFloat_AsDouble(args[7]);
-    Py_ssize_t max_out = PyLong_AsSsize_t(args[8]);
+    Limits lim = {PyLong_AsSsize_t(args[5]), PyLong_AsSsize_t(args[6]),
+                  PyLong_AsSsize_t(args[8]), PyObject_IsTrue(args[4]),
+                  PyFloat_AsDouble(args[7])};
+    if (end > view.len) end = view.len;
+    if (!PyErr_Occurred() && (pos < 0 || pos > end))
+        PyErr_SetString(PyExc_ValueError, "pos out of the buffer");
     if (PyErr_Occurred()) { PyBuffer_Release(&view); return NULL; }
     Run run;
     memset(&run, 0, sizeof run);
     run.limit = -1;
     Out o = {NULL, 0, 0};
     PyObject *slow_hit = NULL, *result = NULL;
-    Py_ssize_t executed = 0;
-    int last = -1, failed = 0;
+    int last = -1;
     run.data = PyObject_GetAttr(fp->keyspace, s_data);
     run.lru = run.data == NULL ? NULL : PyObject_GetAttr(fp->strings, s_lru);
     if (run.lru == NULL || !PyDict_Check(run.data) || !PyDict_Check(run.lru)) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "unexpected store layout");
         goto fail;
     }
-    const char *base = (const char *)view.buf;
-    if (end > view.len) end = view.len;
-    double clock = now_s();
-    while (pos < end && o.len < max_out) {
-        Arg argv[MAX_ARGV];
-        int argc;
-        const char *next;
-        if (scan_one(base + pos, base + end, max_bulk, max_args, argv, &argc, &next) < 0) break;
-        int cmd = command_of(argv, argc);
-        if (cmd < 0) break;
-        double started = clock;
-        int rc = execute(fp, &run, cmd, argv, argc, &o, resp3);
-        if (rc < 0) { failed = 1; break; }
-        if (rc == 0) break;
-        clock = now_s();  /* this command's end, the next one's start */
-        double elapsed = clock - started;
-        run.calls[cmd]++;
-        run.seconds[cmd] += elapsed;
-        executed++;
-        last = cmd;
-        pos = next - base;
-        if (elapsed > slow) {
-            PyObject *list = argv_list(argv, argc);
-            slow_hit = list == NULL ? NULL : Py_BuildValue("(dN)", started, list);
-            if (slow_hit == NULL) failed = 1;
-            break;
-        }
-    }
-    if (write_back(fp, &run) < 0 || failed) goto fail;
+    Py_ssize_t executed = run_commands(fp, &run, (const char *)view.buf, &pos, end, &lim, &o,
+                                       &last, &slow_hit);
+    if (write_back(fp, &run) < 0 || executed < 0) goto fail;
     if (o.len > 0) {
         PyObject *bytes = PyBytes_FromStringAndSize(o.buf, o.len);
-        if (bytes == NULL || PyList_Append(out_list, bytes) < 0) { Py_XDECREF(bytes); goto fail; }
+        if (bytes == NULL || PyList_Append(args[3], bytes) < 0) { Py_XDECREF(bytes); goto fail; }
         Py_DECREF(bytes);
     }
     result = Py_BuildValue("(nniO)", pos, executed, last, slow_hit ? slow_hit : Py_None);

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.server.cmdstats import CommandStat
 from kvstrata.store.keyspace import StringEntry
 from kvstrata.store.strings import ENTRY_OVERHEAD, LARGE_VALUE
 
@@ -57,7 +58,7 @@ def bind(server: Server) -> Any:
     if _ext is None:
         return None
     return _ext.FastPath(
-        server.keyspace, server.strings, server.cmdstats, StringEntry, LARGE_VALUE,
+        server.keyspace, server.strings, server.cmdstats, StringEntry, CommandStat, LARGE_VALUE,
         ENTRY_OVERHEAD,
     )  # fmt: skip
 
