@@ -14,6 +14,7 @@ setup(
         Extension(
             "kvstrata.server._fastpath",
             sources=["kvstrata/server/_fastpath.c"],
+            depends=["kvstrata/server/_fastpath_scan.h"],
             optional=True,
             extra_compile_args=["-O2"],
         ),
