@@ -67,15 +67,11 @@ def redis_server() -> Iterator[Proc]:
 
 
 @contextmanager
-def kvstrata_server(*extra: str, env: dict[str, str] | None = None) -> Iterator[Proc]:
-    """A kvstrata server of this checkout; ``env``: variables added to its environment."""
+def kvstrata_server(*extra: str) -> Iterator[Proc]:
     data = tempfile.mkdtemp(prefix="kvstrata-bench-")
     argv = [sys.executable, "-m", "kvstrata", "serve", "--port", "0", "--data-dir", data,
             "--loglevel", "notice", *extra]  # fmt: skip
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, **env} if env else None,
-    )  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     port = 0
     for line in proc.stdout:
