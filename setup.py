@@ -1,4 +1,5 @@
-"""Builds the optional C request scanner; kvstrata falls back to pure Python without it."""
+"""Builds the optional C extensions (the request scanner, the small-command path); kvstrata
+falls back to pure Python without them."""
 
 from setuptools import Extension, setup
 
@@ -9,6 +10,13 @@ setup(
             sources=["kvstrata/protocol/_cresp.c"],
             optional=True,
             extra_compile_args=["-O2"],
-        )
+        ),
+        Extension(
+            "kvstrata.server._fastpath",
+            sources=["kvstrata/server/_fastpath.c"],
+            depends=["kvstrata/server/_fastpath_scan.h"],
+            optional=True,
+            extra_compile_args=["-O2"],
+        ),
     ]
 )

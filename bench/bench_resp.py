@@ -1,9 +1,13 @@
-"""redis-benchmark against redis-server and kvstrata side by side (issue 2's benchmark).
+"""redis-benchmark against redis-server and kvstrata side by side (issues 2 and 15).
 
-Prints ops/s and server CPU microseconds per op for each, and the ratios. Targets: CPU per small
-op ≤ 1.5× redis-server's; 1 MiB GET throughput ≥ redis-server's.
+Each round runs every test against every server in turn (the order alternates from round to
+round); the table shows medians over the rounds: ops/s, server CPU µs per op (user + system,
+read from /proc around each test) and kvstrata's CPU ratio to redis-server's. Targets: CPU per
+small op ≤ 1.5× redis-server's, with and without pipelining; 1 MiB GET throughput ≥
+redis-server's. ``--python-path`` adds a kvstrata server without its compiled small-command path
+(``--fast-path no``), the before/after of that path in one run.
 
-    python bench/bench_resp.py [--requests 100000] [--clients 16]
+    python bench/bench_resp.py [--requests 50000] [--clients 16] [--rounds 3] [--python-path]
 """
 
 from __future__ import annotations
@@ -11,12 +15,28 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import statistics
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _servers import Proc, kvstrata_server, redis_server
+
+TARGET = 1.5  # kvstrata CPU per small op / redis-server's
+
+
+def cpu_seconds(proc: Proc) -> float:
+    """On-CPU time (user + system) of all the server's threads, in nanosecond resolution
+    (/proc/PID/task/*/schedstat; /proc/PID/stat counts 10 ms ticks, too coarse here)."""
+    total = 0
+    for task in Path(f"/proc/{proc.process.pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
 
 
 def run_benchmark(
@@ -25,24 +45,25 @@ def run_benchmark(
     """{test: (ops/s, server CPU µs per op)} — CPU measured around each test separately."""
     results = {}
     for test in tests.split(","):
-        before = proc.cpu_seconds()
+        before = cpu_seconds(proc)
         out = subprocess.run(
             ["redis-benchmark", "-p", str(proc.port), "-t", test, "-n", str(n), "-c",
              str(clients), "-P", str(pipeline), "-d", str(size), "-r", "1000", "--csv", "-q"],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
-        cpu = proc.cpu_seconds() - before
+        cpu = cpu_seconds(proc) - before
         for row in csv.reader(io.StringIO(out)):
             if row and row[0] != "test":
-                total = n * (2 if row[0].startswith("PING") and test == "ping" else 1)
-                results[row[0]] = (float(row[1]), cpu * 1e6 / total)
+                results[row[0]] = (float(row[1]), cpu * 1e6 / n)
     return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--requests", type=int, default=100_000)
+    ap.add_argument("--requests", type=int, default=50_000)
     ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--python-path", action="store_true", help="also kvstrata without C path")
     args = ap.parse_args()
     n, c = args.requests, args.clients
     scenarios = [
@@ -50,22 +71,60 @@ def main() -> None:
         ("small, -P 16", "ping_inline,ping_mbulk,set,get", n * 4, 16, 3),
         ("1 MiB values", "set,get", max(200, n // 200), 1, 1 << 20),
     ]
-    rows = []
-    with redis_server() as redis, kvstrata_server("--dram-capacity", "256MiB") as kv:
-        for label, tests, requests, pipeline, size in scenarios:
-            r = run_benchmark(redis, tests, requests, c, pipeline, size)
-            k = run_benchmark(kv, tests, requests, c, pipeline, size)
-            for test in r:
-                rows.append((label, test, r[test], k.get(test, (0.0, 0.0))))
-    print(
-        f"{'scenario':20} {'test':12} {'redis ops/s':>12} {'kvstrata ops/s':>15} "
-        f"{'ratio':>6} {'redis µs/op':>12} {'kvstrata µs/op':>15} {'CPU ratio':>9}"
-    )
-    for label, test, (rops, rcpu), (kops, kcpu) in rows:
-        print(
-            f"{label:20} {test:12} {rops:12.0f} {kops:15.0f} {kops / rops:6.2f} "
-            f"{rcpu:12.2f} {kcpu:15.2f} {kcpu / rcpu if rcpu else 0:9.2f}"
-        )
+    samples: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
+    with ExitStack() as stack:
+        servers = [stack.enter_context(redis_server())]
+        servers.append(stack.enter_context(kvstrata_server("--dram-capacity", "256MiB")))
+        if args.python_path:
+            python = kvstrata_server("--dram-capacity", "256MiB", "--fast-path", "no")
+            servers.append(stack.enter_context(python))
+        names = ["redis", "kvstrata", "kvstrata-py"][: len(servers)]
+        for rnd in range(args.rounds):
+            for label, tests, requests, pipeline, size in scenarios:
+                order = list(zip(names, servers, strict=True))
+                for name, proc in order[rnd % 2 :] + order[: rnd % 2]:
+                    for test, result in run_benchmark(
+                        proc, tests, requests, c, pipeline, size
+                    ).items():
+                        samples.setdefault((label, test, name), []).append(result)
+    report(scenarios, names, samples)
+
+
+def report(
+    scenarios: list[tuple[str, str, int, int, int]],
+    names: list[str],
+    samples: dict[tuple[str, str, str], list[tuple[float, float]]],
+) -> None:
+    head = f"{'scenario':20} {'test':12}"
+    for name in names:
+        head += f" {name + ' ops/s':>17} {name + ' µs/op':>17}"
+    print(head + "".join(f" {n + '/redis':>17}" for n in names[1:]) + "  target")
+    for label, *_ in scenarios:
+        tests = sorted({t for (lb, t, _) in samples if lb == label}, key=_test_order)
+        for test in tests:
+            med = {
+                name: (
+                    statistics.median(s[0] for s in samples[(label, test, name)]),
+                    statistics.median(s[1] for s in samples[(label, test, name)]),
+                )
+                for name in names
+                if (label, test, name) in samples
+            }
+            line = f"{label:20} {test:12}"
+            for name in names:
+                ops, cpu = med.get(name, (0.0, 0.0))
+                line += f" {ops:17,.0f} {cpu:17.2f}"
+            base = med["redis"][1]
+            ratios = [med[n][1] / base if base and n in med else 0.0 for n in names[1:]]
+            line += "".join(f" {r:17.2f}" for r in ratios)
+            if label.startswith("small"):
+                line += "  ok" if ratios[0] <= TARGET else f"  MISSED (≤ {TARGET}×)"
+            print(line)
+
+
+def _test_order(test: str) -> int:
+    order = ["PING_INLINE", "PING_MBULK", "SET", "GET"]
+    return order.index(test) if test in order else len(order)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.config import Config, ConfigError
+from kvstrata.server import fastpath
 from kvstrata.server.cmdstats import CommandStats
 from kvstrata.server.connection import Connection
 from kvstrata.server.context import ClientState, ServerStats
@@ -56,6 +57,8 @@ class Server:
         self.slowlog = _make_slowlog(config)
         #: exact command name → spec, for plain commands (the dispatcher's first look-up)
         self.fast_specs: dict[bytes, Any] = _fast_specs(self.registry)
+        #: the compiled small-command path (kvstrata.server.fastpath), None without it
+        self.fastpath: Any = fastpath.bind(self)
         self._next_id = 0
         self._servers: list[asyncio.AbstractServer] = []
         self._shutdown = asyncio.Event()

@@ -33,6 +33,7 @@ from kvstrata.protocol.errors import (
 from kvstrata.protocol.frames import NO_REPLY, Simple
 from kvstrata.server.admission import fmt_addr, refusal
 from kvstrata.server.context import ClientState
+from kvstrata.server.fastpath import MAX_OUT, NAMES, usable
 from kvstrata.server.intake import Intake, WithSinks, abort_sinks
 from kvstrata.server.pins import ReplyPins, release_now
 from kvstrata.server.writeside import WriteSide
@@ -132,11 +133,27 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
     # -- input ----------------------------------------------------------------------------
     def _process(self) -> None:
         """Decode what is buffered and run it, unless paused or an async command is running."""
-        values = self.server.config.values
-        self._slow = self.server.slowlog_threshold  # once per batch
+        server = self.server
+        values = server.config.values
+        self._slow = server.slowlog_threshold  # once per batch
         queue = self._queue
         intake = self._in
         executed = 0
+        fast = server.fastpath
+        if fast is not None and not usable(server, self.client.authenticated):
+            fast = None
+        if fast is not None and not queue and not self._closing and not self._close_after:
+            # the common case in one step: the whole batch runs on the compiled path
+            limits = values["proto-max-bulk-len"], values["max-multibulk-len"]
+            executed = self._run_fast(fast, limits)
+            if executed and intake.start == intake.end:
+                server.stats.total_commands_processed += executed
+                self.client.commands += executed
+                intake.start = intake.end = 0
+                self._flush()
+                if self._read_paused:  # paused while it was busy: resume
+                    self._update_reading()
+                return
         try:
             while not self._closing and not self._close_after:
                 if queue and not self._busy and not self._write_paused:
@@ -158,6 +175,11 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
                     limits = values["proto-max-bulk-len"], values["max-multibulk-len"]
                 else:  # as Redis: tiny frames until AUTH, so no one can make us allocate
                     limits = UNAUTH_MAX_BULK, UNAUTH_MAX_ARGS
+                if fast is not None and not queue and (ran := self._run_fast(fast, limits)):
+                    executed += ran
+                    if intake.start == intake.end:
+                        break  # all consumed: nothing left to decode
+                    continue
                 if not intake.decode(queue, *limits):
                     break
         except ProtocolError as exc:
@@ -169,6 +191,29 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         self._update_reading()
         if intake.yielded and not self._closing:  # a long command is parsed in slices
             asyncio.get_running_loop().call_soon(self._process)
+
+    def _run_fast(self, fast: Any, limits: tuple[int, int]) -> int:
+        """Run the leading buffered commands on the compiled path (kvstrata.server.fastpath);
+        how many it ran (0: the Python path decodes what follows)."""
+        intake = self._in
+        if self._busy or self._write_paused or intake.partial is not None:
+            return 0
+        if intake.start == intake.end or intake.receiving_payload:
+            return 0
+        out = self._out
+        pos, ran, last, slow = fast.run(
+            intake.buf, intake.start, intake.end, out, self._resp3, limits[0], limits[1],
+            self._slow, MAX_OUT,
+        )  # fmt: skip
+        if not ran:
+            return 0
+        intake.start = pos
+        self.client.last_command = NAMES[last]
+        if slow is not None:
+            self.server.slowlog_record(slow[0], slow[1], self.client)
+        if pos != intake.end and (len(out) >= FLUSH_PARTS or len(out[-1]) >= MAX_OUT):
+            self._flush()  # lets the transport push back (pause_writing)
+        return ran
 
     def _authenticated(self) -> bool:
         """Authenticated, or no password is required any more (CONFIG SET requirepass "")."""

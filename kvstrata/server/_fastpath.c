@@ -1,0 +1,519 @@
+/* Compiled fast path of the request loop: scan -> dispatch -> reply for the hottest small
+ * commands (PING, ECHO, GET, SET key value, EXISTS), run straight against the string store's
+ * structures. kvstrata/server/fastpath.py documents the contract and holds the conditions under
+ * which a connection may call it; the Python path (Connection._execute and the handlers) is the
+ * reference it must match, reply for reply and side effect for side effect.
+ *
+ * FastPath(keyspace, strings, cmdstats, entry_type, large_value, entry_overhead)
+ * FastPath.run(buf, pos, end, out, resp3, max_bulk, max_args, slow, max_out)
+ *     -> (pos, executed, last, slow_hit)
+ *   Executes the complete commands at buf[pos:end] it can honour, appends their replies (one
+ *   bytes object) to the list out, and stops at the first command it does not handle: another
+ *   command, other arguments, an option, a key with a TTL or of another type, a write that
+ *   would need eviction, anything malformed or incomplete. pos is where the Python path takes
+ *   over (at a command boundary). last: index into NAMES of the last command run (-1: none).
+ *   slow_hit: None, or (started, argv) for a command that took longer than `slow` seconds (the
+ *   run stops after it so that the caller records it in the slow log).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <string.h>
+
+#include "_fastpath_scan.h"
+
+enum { C_PING, C_ECHO, C_GET, C_SET, C_EXISTS, N_CMDS };
+static const char *NAMES[N_CMDS] = {"PING", "ECHO", "GET", "SET", "EXISTS"};
+
+static int name_is(const Arg *a, const char *name) {
+    size_t n = strlen(name);
+    return (size_t)a->n == n && strncasecmp(a->p, name, n) == 0;
+}
+
+static int command_of(const Arg *argv, int argc) {
+    switch (argv[0].n) {
+    case 3:
+        if (argc == 2 && name_is(argv, "GET")) return C_GET;
+        if (argc == 3 && name_is(argv, "SET")) return C_SET;
+        return -1;
+    case 4:
+        if (argc <= 2 && name_is(argv, "PING")) return C_PING;
+        if (argc == 2 && name_is(argv, "ECHO")) return C_ECHO;
+        return -1;
+    case 6:
+        if (argc >= 2 && name_is(argv, "EXISTS")) return C_EXISTS;
+        return -1;
+    default:
+        return -1;
+    }
+}
+
+/* -- the FastPath object ------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *keyspace, *strings, *cmdstats, *entry_type, *stat_type;
+    Py_ssize_t large_value, entry_overhead;
+    /* where StringEntry keeps `value` and `expire_at` and CommandStat `calls` and `seconds`
+     * (their __slots__); -1: use getattr */
+    Py_ssize_t value_at, expire_at, calls_at, seconds_at;
+} FastPath;
+
+static PyObject *s_data, *s_lru, *s_value, *s_expire_at, *s_hits, *s_misses, *s_used, *s_limit,
+    *s_move_to_end, *s_bind, *s_commands, *s_stat, *s_calls, *s_seconds, *s_names[N_CMDS];
+
+/* The offset of a __slots__ attribute of type tp (a member descriptor), -1 if it is not one. */
+static Py_ssize_t slot_offset(PyObject *tp, PyObject *name) {
+    PyObject *d = PyObject_GetAttr(tp, name);
+    if (d == NULL) return -1;
+    Py_ssize_t off = -1;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) off = m->offset;
+    }
+    Py_DECREF(d);
+    return off;
+}
+
+/* entry.<name> as a new reference; NULL with no error set when a slot is empty */
+static PyObject *slot_get(PyObject *entry, Py_ssize_t at, PyObject *name) {
+    if (at < 0) return PyObject_GetAttr(entry, name);
+    PyObject *v = *(PyObject **)((char *)entry + at);
+    Py_XINCREF(v);
+    return v;
+}
+
+static int slot_set(PyObject *entry, Py_ssize_t at, PyObject *name, PyObject *value) {
+    if (at < 0) return PyObject_SetAttr(entry, name, value);
+    PyObject **slot = (PyObject **)((char *)entry + at);
+    PyObject *old = *slot;
+    Py_INCREF(value);
+    *slot = value;
+    Py_XDECREF(old);
+    return 0;
+}
+
+static void fp_dealloc(FastPath *self) {
+    Py_XDECREF(self->keyspace);
+    Py_XDECREF(self->strings);
+    Py_XDECREF(self->cmdstats);
+    Py_XDECREF(self->entry_type);
+    Py_XDECREF(self->stat_type);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int fp_init(FastPath *self, PyObject *args, PyObject *kw) {
+    PyObject *ks, *st, *cs, *et, *ct;
+    Py_ssize_t large, overhead;
+    if (!PyArg_ParseTuple(args, "OOOO!O!nn", &ks, &st, &cs, &PyType_Type, &et, &PyType_Type,
+                          &ct, &large, &overhead))
+        return -1;
+    Py_INCREF(ks); Py_XSETREF(self->keyspace, ks);
+    Py_INCREF(st); Py_XSETREF(self->strings, st);
+    Py_INCREF(cs); Py_XSETREF(self->cmdstats, cs);
+    Py_INCREF(et); Py_XSETREF(self->entry_type, et);
+    Py_INCREF(ct); Py_XSETREF(self->stat_type, ct);
+    self->large_value = large;
+    self->entry_overhead = overhead;
+    self->value_at = slot_offset(et, s_value);
+    self->expire_at = slot_offset(et, s_expire_at);
+    self->calls_at = slot_offset(ct, s_calls);
+    self->seconds_at = slot_offset(ct, s_seconds);
+    if (PyErr_Occurred()) return -1;
+    return 0;
+}
+
+/* Per-run state: counters written back to the Python objects once, at the end. */
+typedef struct {
+    PyObject *data, *lru;
+    long long hits, misses;
+    long long calls[N_CMDS];
+    double seconds[N_CMDS];
+    long long limit;  /* -1: not read yet */
+    long long used;   /* StringStore.used, read when first needed, written back at the end */
+    int used_read, used_dirty;
+    PyObject *move_to_end;  /* the LRU's bound move_to_end, got when first needed */
+} Run;
+
+/* 1: the entry is a plain string without a TTL (the cases handled here); 0: not; -1 error */
+static int plain_string(FastPath *fp, PyObject *entry) {
+    if (Py_TYPE(entry) != (PyTypeObject *)fp->entry_type) return 0;
+    PyObject *exp = slot_get(entry, fp->expire_at, s_expire_at);
+    if (exp == NULL) return PyErr_Occurred() ? -1 : 0;
+    int plain = exp == Py_None;
+    Py_DECREF(exp);
+    return plain;
+}
+
+static long long get_ll(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    long long r = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return r;
+}
+
+static int set_used(FastPath *fp, long long used) {
+    PyObject *v = PyLong_FromLongLong(used);
+    if (v == NULL) return -1;
+    int rc = PyObject_SetAttr(fp->strings, s_used, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* Write StringStore.used back when this run changed it (before Python code reads it). */
+static int sync_used(FastPath *fp, Run *run) {
+    if (!run->used_dirty) return 0;
+    run->used_dirty = 0;
+    return set_used(fp, run->used);
+}
+
+/* lru.move_to_end(key) */
+static int touch(Run *run, PyObject *key) {
+    if (run->move_to_end == NULL) {
+        run->move_to_end = PyObject_GetAttr(run->lru, s_move_to_end);
+        if (run->move_to_end == NULL) return -1;
+    }
+    PyObject *r = PyObject_CallOneArg(run->move_to_end, key);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Each do_* returns 1 done, 0 not for us (nothing changed), -1 error. */
+static int do_get(FastPath *fp, Run *run, const Arg *argv, Out *o, int resp3) {
+    PyObject *key = PyBytes_FromStringAndSize(argv[1].p, argv[1].n);
+    if (key == NULL) return -1;
+    PyObject *entry = PyDict_GetItemWithError(run->data, key);  /* borrowed */
+    int rc = 1;
+    if (entry == NULL) {
+        if (PyErr_Occurred()) { rc = -1; goto done; }
+        run->misses++;
+        rc = resp3 ? out_put(o, "_\r\n", 3) : out_put(o, "$-1\r\n", 5);
+        rc = rc < 0 ? -1 : 1;
+        goto done;
+    }
+    Py_INCREF(entry);
+    int plain = plain_string(fp, entry);
+    PyObject *value = plain == 1 ? slot_get(entry, fp->value_at, s_value) : NULL;
+    Py_DECREF(entry);
+    if (plain != 1 || value == NULL) {
+        rc = plain < 0 || PyErr_Occurred() ? -1 : 0;
+        goto done;
+    }
+    if (!PyBytes_CheckExact(value) && !PyByteArray_CheckExact(value)) {
+        Py_DECREF(value); rc = 0; goto done;
+    }
+    run->hits++;
+    int in_lru = PyDict_Contains(run->lru, key);
+    if (in_lru == 1 && touch(run, key) < 0) in_lru = -1;
+    if (in_lru < 0) { Py_DECREF(value); rc = -1; goto done; }
+    if (PyBytes_CheckExact(value))
+        rc = out_bulk(o, PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value));
+    else
+        rc = out_bulk(o, PyByteArray_AS_STRING(value), PyByteArray_GET_SIZE(value));
+    rc = rc < 0 ? -1 : 1;
+    Py_DECREF(value);
+done:
+    Py_DECREF(key);
+    return rc;
+}
+
+/* SET key value: replaces a plain string in place (the LRU and `used` as StringStore._bind
+ * does) or creates a key through StringStore._bind itself; anything else is the Python path. */
+static int do_set(FastPath *fp, Run *run, const Arg *argv, Out *o) {
+    if (argv[2].n >= fp->large_value) return 0;
+    if (run->limit < 0) {
+        run->limit = get_ll(fp->strings, s_limit);
+        if (run->limit < 0) return PyErr_Occurred() ? -1 : 0;
+    }
+    if (!run->used_read) {
+        run->used = get_ll(fp->strings, s_used);
+        if (run->used == -1 && PyErr_Occurred()) return -1;
+        run->used_read = 1;
+    }
+    long long cost = argv[1].n + argv[2].n + fp->entry_overhead;
+    if (run->used + cost > run->limit) return 0;  /* eviction (or OOM): the Python path */
+    PyObject *key = PyBytes_FromStringAndSize(argv[1].p, argv[1].n);
+    if (key == NULL) return -1;
+    int rc = 0;
+    PyObject *value = NULL, *pycost = NULL, *entry = PyDict_GetItemWithError(run->data, key);
+    if (entry == NULL && PyErr_Occurred()) { rc = -1; goto done; }
+    Py_XINCREF(entry);
+    if (entry != NULL) {
+        int plain = plain_string(fp, entry);
+        if (plain != 1) { rc = plain; goto done; }
+        PyObject *before = PyDict_GetItemWithError(run->lru, key);  /* borrowed */
+        if (before == NULL) { rc = PyErr_Occurred() ? -1 : 0; goto done; }
+        long long was = PyLong_AsLongLong(before);
+        if (was == -1 && PyErr_Occurred()) { rc = -1; goto done; }
+        value = PyBytes_FromStringAndSize(argv[2].p, argv[2].n);
+        pycost = PyLong_FromLongLong(cost);
+        if (value == NULL || pycost == NULL || PyObject_SetItem(run->lru, key, pycost) < 0) {
+            rc = -1; goto done;
+        }
+        if (touch(run, key) < 0) { rc = -1; goto done; }
+        run->used += cost - was;
+        run->used_dirty = 1;
+        rc = slot_set(entry, fp->value_at, s_value, value) < 0 ? -1 : 1;
+    } else {
+        value = PyBytes_FromStringAndSize(argv[2].p, argv[2].n);
+        pycost = PyLong_FromLongLong(cost);
+        if (value == NULL || pycost == NULL) { rc = -1; goto done; }
+        PyObject *fresh = PyObject_CallOneArg(fp->entry_type, value);
+        if (fresh == NULL || sync_used(fp, run) < 0) { Py_XDECREF(fresh); rc = -1; goto done; }
+        run->used_read = 0;  /* _bind changes it */
+        PyObject *r = PyObject_CallMethodObjArgs(fp->strings, s_bind, key, fresh, pycost, NULL);
+        Py_DECREF(fresh);
+        rc = r == NULL ? -1 : 1;
+        Py_XDECREF(r);
+    }
+    if (rc == 1 && out_put(o, "+OK\r\n", 5) < 0) rc = -1;
+done:
+    Py_XDECREF(entry);
+    Py_XDECREF(value);
+    Py_XDECREF(pycost);
+    Py_DECREF(key);
+    return rc;
+}
+
+static int do_exists(FastPath *fp, Run *run, const Arg *argv, int argc, Out *o) {
+    long long found = 0;
+    for (int i = 1; i < argc; i++) {  /* a key with a TTL: expiry is Python's, hand over */
+        PyObject *key = PyBytes_FromStringAndSize(argv[i].p, argv[i].n);
+        if (key == NULL) return -1;
+        PyObject *entry = PyDict_GetItemWithError(run->data, key);
+        Py_DECREF(key);
+        if (entry == NULL) {
+            if (PyErr_Occurred()) return -1;
+            continue;
+        }
+        PyObject *exp = PyObject_GetAttr(entry, s_expire_at);
+        if (exp == NULL) return -1;
+        int plain = exp == Py_None;
+        Py_DECREF(exp);
+        if (!plain) return 0;
+        found++;
+    }
+    return out_int(o, found) < 0 ? -1 : 1;
+}
+
+static int execute(FastPath *fp, Run *run, int cmd, const Arg *argv, int argc, Out *o,
+                   int resp3) {
+    switch (cmd) {
+    case C_PING:
+        if (argc == 1) return out_put(o, "+PONG\r\n", 7) < 0 ? -1 : 1;
+        return out_bulk(o, argv[1].p, argv[1].n) < 0 ? -1 : 1;
+    case C_ECHO:
+        return out_bulk(o, argv[1].p, argv[1].n) < 0 ? -1 : 1;
+    case C_GET:
+        return do_get(fp, run, argv, o, resp3);
+    case C_SET:
+        return do_set(fp, run, argv, o);
+    case C_EXISTS:
+        return do_exists(fp, run, argv, argc, o);
+    }
+    return 0;
+}
+
+/* obj.<name> += delta (through its slot at `at` when >= 0) */
+static int add_attr(PyObject *obj, Py_ssize_t at, PyObject *name, PyObject *delta) {
+    PyObject *v = slot_get(obj, at, name);
+    if (v == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, name);
+        return -1;
+    }
+    PyObject *sum = PyNumber_Add(v, delta);
+    Py_DECREF(v);
+    if (sum == NULL) return -1;
+    int rc = slot_set(obj, at, name, sum);
+    Py_DECREF(sum);
+    return rc;
+}
+
+static int add_count(PyObject *obj, Py_ssize_t at, PyObject *name, long long n) {
+    if (n == 0) return 0;
+    PyObject *d = PyLong_FromLongLong(n);
+    if (d == NULL) return -1;
+    int rc = add_attr(obj, at, name, d);
+    Py_DECREF(d);
+    return rc;
+}
+
+/* Write the run's counters back: keyspace hits/misses, INFO commandstats. */
+static int write_back(FastPath *fp, Run *run) {
+    if (sync_used(fp, run) < 0) return -1;
+    if (add_count(fp->keyspace, -1, s_hits, run->hits) < 0) return -1;
+    if (add_count(fp->keyspace, -1, s_misses, run->misses) < 0) return -1;
+    for (int c = 0; c < N_CMDS; c++) {
+        if (run->calls[c] == 0) continue;
+        PyObject *commands = PyObject_GetAttr(fp->cmdstats, s_commands);
+        if (commands == NULL) return -1;
+        PyObject *stat = PyDict_GetItemWithError(commands, s_names[c]);
+        Py_XINCREF(stat);
+        Py_DECREF(commands);
+        if (stat == NULL) {
+            if (PyErr_Occurred()) return -1;
+            stat = PyObject_CallMethodOneArg(fp->cmdstats, s_stat, s_names[c]);
+            if (stat == NULL) return -1;
+        }
+        int own = Py_TYPE(stat) == (PyTypeObject *)fp->stat_type;
+        PyObject *secs = PyFloat_FromDouble(run->seconds[c]);
+        int rc = secs == NULL ? -1 : add_count(stat, own ? fp->calls_at : -1, s_calls,
+                                               run->calls[c]);
+        if (rc == 0) rc = add_attr(stat, own ? fp->seconds_at : -1, s_seconds, secs);
+        Py_XDECREF(secs);
+        Py_DECREF(stat);
+        if (rc < 0) return -1;
+    }
+    return 0;
+}
+
+static PyObject *argv_list(const Arg *argv, int argc) {
+    PyObject *list = PyList_New(argc);
+    if (list == NULL) return NULL;
+    for (int i = 0; i < argc; i++) {
+        PyObject *a = PyBytes_FromStringAndSize(argv[i].p, argv[i].n);
+        if (a == NULL) { Py_DECREF(list); return NULL; }
+        PyList_SET_ITEM(list, i, a);
+    }
+    return list;
+}
+
+/* What one run may do: the connection's frame limits, protocol and slow-log threshold. */
+typedef struct {
+    Py_ssize_t max_bulk, max_args, max_out;
+    int resp3;
+    double slow;
+} Limits;
+
+/* Execute commands from base[*pos:end] until one is not for us; *pos, *last and *slow_hit
+ * (see the top of this file) updated. The number executed, or -1 on an error. */
+static Py_ssize_t run_commands(FastPath *fp, Run *run, const char *base, Py_ssize_t *pos,
+                               Py_ssize_t end, const Limits *lim, Out *o, int *last,
+                               PyObject **slow_hit) {
+    Py_ssize_t executed = 0;
+    double clock = now_s();
+    while (*pos < end && o->len < lim->max_out) {
+        Arg argv[MAX_ARGV];
+        int argc;
+        const char *next;
+        if (scan_one(base + *pos, base + end, lim->max_bulk, lim->max_args, argv, &argc, &next))
+            break;
+        int cmd = command_of(argv, argc);
+        if (cmd < 0) break;
+        double started = clock;
+        int rc = execute(fp, run, cmd, argv, argc, o, lim->resp3);
+        if (rc <= 0) return rc < 0 ? -1 : executed;
+        clock = now_s();  /* this command's end, the next one's start */
+        run->calls[cmd]++;
+        run->seconds[cmd] += clock - started;
+        executed++;
+        *last = cmd;
+        *pos = next - base;
+        if (clock - started > lim->slow) {
+            PyObject *list = argv_list(argv, argc);
+            *slow_hit = list == NULL ? NULL : Py_BuildValue("(dN)", started, list);
+            return *slow_hit == NULL ? -1 : executed;
+        }
+    }
+    return executed;
+}
+
+static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9 || !PyList_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "run(buf, pos, end, out, resp3, max_bulk, max_args, slow, max_out)");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
+    Limits lim = {PyLong_AsSsize_t(args[5]), PyLong_AsSsize_t(args[6]),
+                  PyLong_AsSsize_t(args[8]), PyObject_IsTrue(args[4]),
+                  PyFloat_AsDouble(args[7])};
+    if (end > view.len) end = view.len;
+    if (!PyErr_Occurred() && (pos < 0 || pos > end))
+        PyErr_SetString(PyExc_ValueError, "pos out of the buffer");
+    if (PyErr_Occurred()) { PyBuffer_Release(&view); return NULL; }
+    Run run;
+    memset(&run, 0, sizeof run);
+    run.limit = -1;
+    Out o = {NULL, 0, 0};
+    PyObject *slow_hit = NULL, *result = NULL;
+    int last = -1;
+    run.data = PyObject_GetAttr(fp->keyspace, s_data);
+    run.lru = run.data == NULL ? NULL : PyObject_GetAttr(fp->strings, s_lru);
+    if (run.lru == NULL || !PyDict_Check(run.data) || !PyDict_Check(run.lru)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "unexpected store layout");
+        goto fail;
+    }
+    Py_ssize_t executed = run_commands(fp, &run, (const char *)view.buf, &pos, end, &lim, &o,
+                                       &last, &slow_hit);
+    if (write_back(fp, &run) < 0 || executed < 0) goto fail;
+    if (o.len > 0) {
+        PyObject *bytes = PyBytes_FromStringAndSize(o.buf, o.len);
+        if (bytes == NULL || PyList_Append(args[3], bytes) < 0) { Py_XDECREF(bytes); goto fail; }
+        Py_DECREF(bytes);
+    }
+    result = Py_BuildValue("(nniO)", pos, executed, last, slow_hit ? slow_hit : Py_None);
+fail:
+    Py_XDECREF(slow_hit);
+    Py_XDECREF(run.data);
+    Py_XDECREF(run.lru);
+    Py_XDECREF(run.move_to_end);
+    PyMem_Free(o.buf);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyMethodDef fp_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))fp_run, METH_FASTCALL, "Execute the leading fast commands of a buffer."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FastPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvstrata.server._fastpath.FastPath",
+    .tp_basicsize = sizeof(FastPath),
+    .tp_dealloc = (destructor)fp_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The compiled small-command path bound to one server's stores.",
+    .tp_methods = fp_methods,
+    .tp_init = (initproc)fp_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fastpath", "Compiled small-command path.", -1, NULL,
+};
+
+#define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC PyInit__fastpath(void) {
+    INTERN(s_data, "_data");
+    INTERN(s_lru, "_lru");
+    INTERN(s_value, "value");
+    INTERN(s_expire_at, "expire_at");
+    INTERN(s_hits, "hits");
+    INTERN(s_misses, "misses");
+    INTERN(s_used, "used");
+    INTERN(s_limit, "limit");
+    INTERN(s_move_to_end, "move_to_end");
+    INTERN(s_bind, "_bind");
+    INTERN(s_commands, "commands");
+    INTERN(s_stat, "_stat");
+    INTERN(s_calls, "calls");
+    INTERN(s_seconds, "seconds");
+    for (int c = 0; c < N_CMDS; c++) INTERN(s_names[c], NAMES[c]);
+    if (PyType_Ready(&FastPathType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&FastPathType);
+    if (PyModule_AddObject(m, "FastPath", (PyObject *)&FastPathType) < 0) {
+        Py_DECREF(&FastPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

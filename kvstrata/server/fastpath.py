@@ -1,0 +1,74 @@
+"""The compiled small-command path: scan, dispatch and reply in C for the hottest commands.
+
+``kvstrata.server._fastpath`` (built by ``setup.py`` when a compiler is present, like the
+request scanner) runs the leading commands of a connection's buffer straight against the
+string store — ``PING``, ``ECHO``, ``GET``, ``SET key value`` (no option) and ``EXISTS`` — and
+appends their replies. It stops at the first command it does not handle and the connection's
+Python path (decoder, ``Connection._execute``, the handlers) takes over from that command; the
+Python path is the reference and the only path without the extension.
+
+What it honours, with the same side effects as the Python path (tests/test_fastpath.py runs one
+suite through both and compares): replies for RESP2 and RESP3; keyspace hits and misses; the
+string store's LRU order and ``used`` bytes; ``INFO commandstats`` calls and time; the slow log
+(a command slower than the threshold is handed back with its arguments); commands processed
+and the client's last command. What it leaves to Python, command by command: keys with a TTL
+(expiry), keys of another type (``WRONGTYPE``, large values in the tiers), a write that would go
+over ``maxmemory`` (eviction, ``-OOM``), wrong arity, options, malformed or incomplete input,
+quoted inline commands. Whole batches go the Python way (:func:`usable`) while a client is not
+authenticated, the server is loading, a ``MONITOR`` is attached, or the latency histograms of
+the metrics endpoint are on.
+
+``fast-path no`` (``CONFIG SET fast-path no``, ``--fast-path no``, ``KVSTRATA_FAST_PATH=no``)
+sends every command the Python way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvstrata.server.cmdstats import CommandStat
+from kvstrata.store.keyspace import StringEntry
+from kvstrata.store.strings import ENTRY_OVERHEAD, LARGE_VALUE
+
+if TYPE_CHECKING:
+    from kvstrata.server.app import Server
+
+#: the registry names of the commands the C path runs, in its index order (``last`` of a run)
+NAMES = ("PING", "ECHO", "GET", "SET", "EXISTS")
+#: reply bytes one run produces at most before the connection flushes (a GET of a 60 KiB value
+#: costs 20 bytes of input: the output of a buffered batch is bounded here, not by the input)
+MAX_OUT = 256 * 1024
+
+
+def _load() -> Any:
+    try:
+        from kvstrata.server import _fastpath  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _fastpath
+
+
+_ext = _load()
+#: the extension is built (python3 setup.py build_ext, or any pip install with a compiler)
+AVAILABLE = _ext is not None
+
+
+def bind(server: Server) -> Any:
+    """The compiled path bound to ``server``'s stores, or None when it is not built."""
+    if _ext is None:
+        return None
+    return _ext.FastPath(
+        server.keyspace, server.strings, server.cmdstats, StringEntry, CommandStat, LARGE_VALUE,
+        ENTRY_OVERHEAD,
+    )  # fmt: skip
+
+
+def usable(server: Server, authenticated: bool) -> bool:
+    """Whether a batch may start on the compiled path (see the module docstring)."""
+    return (
+        authenticated
+        and server.config.values["fast-path"]
+        and not server.loading
+        and not server.monitors
+        and not server.cmdstats.histograms
+    )
