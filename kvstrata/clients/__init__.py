@@ -5,7 +5,13 @@ Heavy optional parts (torch, transformers integration, codecs) are imported from
 modules (``kvstrata.clients.hf``, ``.layout``, ``.codecs``), not here.
 """
 
-from kvstrata.clients.aio import AsyncClient, AsyncLease, AsyncPipeline, AsyncWriteLease
+from kvstrata.clients.aio import (
+    AsyncClient,
+    AsyncLease,
+    AsyncPipeline,
+    AsyncWriteBatch,
+    AsyncWriteLease,
+)
 from kvstrata.clients.connection import ConnectionClosedError, ConnectionSettings
 from kvstrata.clients.handles import CudaUnavailable, RegionMapError
 from kvstrata.clients.resp import BufferTooSmall
@@ -17,7 +23,7 @@ from kvstrata.clients.results import (
     ReserveGrant,
     TokenMatch,
 )
-from kvstrata.clients.sync import Client, Lease, Pipeline, WriteLease
+from kvstrata.clients.sync import Client, Lease, Pipeline, WriteBatch, WriteLease
 from kvstrata.protocol.errors import (
     CommandError,
     LeaseError,
@@ -33,6 +39,7 @@ __all__ = [
     "AsyncClient",
     "AsyncLease",
     "AsyncPipeline",
+    "AsyncWriteBatch",
     "AsyncWriteLease",
     "BufferTooSmall",
     "Client",
@@ -54,6 +61,7 @@ __all__ = [
     "ReserveGrant",
     "RespError",
     "TokenMatch",
+    "WriteBatch",
     "WriteLease",
     "WrongPassError",
     "chunk_hashes",

@@ -5,6 +5,8 @@
   freed until the lease ends.
 - A **write lease** (``KV.RESERVE``) owns one reserved, invisible DRAM slot (a payload sink)
   until ``KV.COMMIT`` publishes it or ``KV.ABORT`` frees it.
+- A **batch write lease** (``KV.MRESERVE``) owns the slots of several chunks of one chain;
+  ``KV.COMMIT`` publishes them all (in chain order), ``KV.ABORT`` or expiry frees them all.
 
 Every lease has a deadline. :func:`run_sweeper` (one asyncio task per store) ends expired leases
 every ``interval`` seconds through a callback, so a crashed client leaks nothing. Lease ids are
@@ -85,7 +87,39 @@ class WriteLease:
     kind = "write"
 
 
-Lease = ReadLease | WriteLease
+@dataclass(frozen=True, slots=True)
+class ReservedChunk:
+    """One slot of a batch write lease: ``key``'s reserved ``size`` bytes behind ``handle``."""
+
+    key: ChunkKey
+    parent: bytes
+    tokens: int
+    size: int
+    handle: Handle
+    sink: Any  # a StoreSink or GpuSink, as in WriteLease
+
+
+@dataclass(frozen=True, slots=True)
+class BatchWriteLease:
+    """Owns the reserved slots ``chunks`` (in chain order) until commit or abort of them all."""
+
+    id: str
+    chunks: tuple[ReservedChunk, ...]
+    deadline: float
+    holder: Holder = NO_HOLDER
+
+    kind = "write"
+
+    @property
+    def handles(self) -> tuple[Handle, ...]:
+        return tuple(c.handle for c in self.chunks)
+
+    @property
+    def size(self) -> int:
+        return sum(c.size for c in self.chunks)
+
+
+Lease = ReadLease | WriteLease | BatchWriteLease
 
 
 def deadline_after(ttl_ms: int, clock: Callable[[], float] = time.monotonic) -> float:
