@@ -16,6 +16,7 @@ from kvstrata.clients.connection import ConnectionClosedError, ConnectionSetting
 from kvstrata.clients.handles import CudaUnavailable, RegionMapError
 from kvstrata.clients.resp import BufferTooSmall
 from kvstrata.clients.results import (
+    BatchGrant,
     Handle,
     LeaseGrant,
     MatchResult,
@@ -41,6 +42,7 @@ __all__ = [
     "AsyncPipeline",
     "AsyncWriteBatch",
     "AsyncWriteLease",
+    "BatchGrant",
     "BufferTooSmall",
     "Client",
     "CommandError",
