@@ -11,7 +11,9 @@ Contenders, alternated round by round (the order rotates), medians of GB/s per c
 - LMCache MP server, as its vLLM worker adapter drives it (``EngineDrivenContextShm``): put =
   ``prepare_store`` + n copies into its slots + ``commit_store``; get = ``prepare_retrieve`` +
   n copies out + ``commit_retrieve`` after an untimed ``lookup`` (its prefetch), see
-  ``bench/_lmcache_mp.py``;
+  ``bench/_lmcache_mp.py``. Its copies are ``np.copyto`` of the same bytes, as kvstrata's
+  (``--lmcache-torch-copy``: ``Tensor.copy_`` of the float16 tensors, which LMCache's venv runs
+  at ~1–1.4 GB/s, see ``_lmcache_mp._copy``);
 - memcpy: n ``np.copyto`` of the same sizes between touched buffers (the bound of every route).
 
 kvstrata checksums each chunk at commit (integrity, DESIGN.md); LMCache does not. Both shared
@@ -135,14 +137,16 @@ class KvstrataShm:
         self.round += 1
 
 
-def measure(mib: int, n: int, kv: Client, lmc: LMCacheMP | None, rounds: int) -> dict[str, float]:
+def measure(
+    mib: int, n: int, kv: Client, lmc: LMCacheMP | None, rounds: int, torch_copy: bool
+) -> dict[str, float]:
     k = KvstrataShm(kv, mib, n)
     steps: dict[str, Callable[[], object]] = {
         "chunk put": k.put_per_chunk, "batch put": k.put_batched, "lease get": k.get_leased,
         "memcpy": k.memcpy,
     }  # fmt: skip
     if lmc is not None:
-        lmc.call("setup", mib=mib, n=n)
+        lmc.call("setup", mib=mib, n=n, torch_copy=torch_copy)
         steps["lmc put"] = lambda: lmc.call("put", mib=mib)
         steps["lmc get"] = lambda: lmc.call("get", mib=mib)
     order = list(steps)
@@ -163,7 +167,13 @@ def measure(mib: int, n: int, kv: Client, lmc: LMCacheMP | None, rounds: int) ->
                 times[name].append(float(took))  # type: ignore[arg-type]
         k.next_round()
     total = n * mib * MiB
-    return {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    out = {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    for a, b in (("batch put", "lmc put"), ("lease get", "lmc get"), ("batch put", "chunk put")):
+        if b in times:  # a busy machine slows a whole round: the ratio within rounds is steadier
+            out[f"{a}/{b}"] = statistics.median(
+                tb / ta for ta, tb in zip(times[a], times[b], strict=True)
+            )
+    return out
 
 
 def main() -> None:
@@ -172,6 +182,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--sizes", default="1,8,32", help="chunk sizes in MiB")
     ap.add_argument("--request-mib", type=int, default=64, help="MiB per request (n chunks)")
+    ap.add_argument("--lmcache-torch-copy", action="store_true",
+                    help="LMCache's copies with Tensor.copy_ of float16 (slow in its venv)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     plan = [(mib, max(4, args.request_mib // mib)) for mib in sizes]
@@ -182,21 +194,24 @@ def main() -> None:
         flags = ("--dram-capacity", "1GiB", "--nvme-capacity", "0")
         with kvstrata_server(*flags) as srv, Client(port=srv.port) as kv:
             for mib, n in plan:
-                rows.append((mib, n, measure(mib, n, kv, lmc, args.rounds)))
+                g = measure(mib, n, kv, lmc, args.rounds, args.lmcache_torch_copy)
+                rows.append((mib, n, g))
     finally:
         if lmc is not None:
             lmc.close()
-    print("Shared-memory put / get, n chunks per request (GB/s, medians of alternated rounds)")
+    print("Shared-memory put / get, n chunks per request (GB/s, medians of alternated rounds;")
+    print("ratios: medians of the per-round ratios)")
     head = (f"{'MiB':>4} {'n':>3} {'memcpy':>7} {'kv chunk put':>13} {'kv batch put':>13}"
             f" {'LMCache put':>12} {'batch/LMC':>10} {'batch/chunk':>12}"
             f" {'kv lease get':>13} {'LMCache get':>12} {'lease/LMC':>10}")  # fmt: skip
     print(head)
+    nan = float("nan")
     for mib, n, g in rows:
-        lp, lg = g.get("lmc put", float("nan")), g.get("lmc get", float("nan"))
         print(f"{mib:>4} {n:>3} {g['memcpy']:>7.2f} {g['chunk put']:>13.2f}"
-              f" {g['batch put']:>13.2f} {lp:>12.2f} {g['batch put'] / lp:>10.2f}"
-              f" {g['batch put'] / g['chunk put']:>12.2f} {g['lease get']:>13.2f}"
-              f" {lg:>12.2f} {g['lease get'] / lg:>10.2f}")  # fmt: skip
+              f" {g['batch put']:>13.2f} {g.get('lmc put', nan):>12.2f}"
+              f" {g.get('batch put/lmc put', nan):>10.2f} {g['batch put/chunk put']:>12.2f}"
+              f" {g['lease get']:>13.2f} {g.get('lmc get', nan):>12.2f}"
+              f" {g.get('lease get/lmc get', nan):>10.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":
