@@ -194,3 +194,54 @@ def _reconnects(kv: Client) -> bool:
         return kv.ping()
     except OSError:
         return False
+
+
+def test_publish_sends_each_chunk_without_waiting_and_commit_collects(
+    server: RunningServer,
+) -> None:
+    """``publish(i)`` makes chunk i visible (once its reply is read at commit) while the rest
+    are still being written; commit publishes what is left; an exception after a publish
+    aborts only the chunks not published; publishing twice or a chunk without slot raises."""
+    hs = hashes(4)
+    with Client(port=server.port) as kv:
+        with kv.reserve_chain(NS, None, hs, [100] * 4) as batch:
+            batch.write(0, b"a" * 100)
+            batch.publish(0)
+            batch.write(1, b"b" * 100)
+            batch.publish(1)
+            with pytest.raises(ValueError, match="published already"):
+                batch.publish(1)
+            batch.write(2, b"c" * 100)
+            batch.write(3, b"d" * 100)
+        assert batch.published == [0, 1] and batch.unpublished() == [2, 3] and batch.done
+        assert kv.mget(NS, hs) == [b"a" * 100, b"b" * 100, b"c" * 100, b"d" * 100]
+        more = hashes(3, b"m")
+        with pytest.raises(RuntimeError, match="boom"), kv.reserve_chain(
+            NS, hs[3], more, [10] * 3
+        ) as failing:
+            failing.write(0, b"x" * 10)
+            failing.publish(0)
+            raise RuntimeError("boom")
+        assert kv.mget(NS, more) == [b"x" * 10, None, None]
+        assert kv.match(NS, [*hs, *more]) == 5
+        with kv.reserve_chain(NS, None, [hs[0], b"z"], [100, 5]) as partial:
+            with pytest.raises(KeyError, match="exists"):
+                partial.publish(0)
+            partial.write(1, b"z" * 5)
+        assert kv.get(NS, b"z") == b"z" * 5
+        assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
+
+
+def test_async_publish(server: RunningServer) -> None:
+    async def main() -> None:
+        async with AsyncClient(port=server.port) as kv:
+            hs = hashes(3)
+            batch = await kv.reserve_chain(NS, None, hs, [8, 8, 8])
+            async with batch:
+                for i in batch.reserved:
+                    batch.write(i, bytes([65 + i]) * 8)
+                    if i < 2:
+                        await batch.publish(i)
+            assert await kv.mget(NS, hs) == [b"A" * 8, b"B" * 8, b"C" * 8]
+
+    asyncio.run(main())

@@ -243,3 +243,54 @@ def test_expired_batch_of_a_connected_writer_is_fenced_and_never_committed(
     assert r.execute_command("KV.MGET", NS, b"a", b"b") == [None, None]
     stats = info(r)
     assert stats["kv_fenced_bytes"] == 0 and stats["dram_used"] == 0
+
+
+def test_commit_of_named_chunks_publishes_them_one_by_one(r: redis.Redis) -> None:
+    """KV.COMMIT lease index… publishes only the chunks named (by request position) and leaves
+    the others reserved and invisible; naming one twice, one without a slot or one out of range
+    is an error that changes nothing; the lease ends with its last chunk."""
+    r.execute_command("KV.PUT", NS, b"a", b"", b"A" * 10)
+    lease_id, entries = r.execute_command(
+        "KV.MRESERVE", NS, b"", 4, b"a", 10, b"b", 10, b"c", 10, b"d", 10
+    )
+    assert entries[0] == b"exists"
+    for e, ch in zip(entries[1:], b"bcd", strict=True):
+        write_slot(r, e, bytes([ch]) * 10)
+    assert r.execute_command("KV.COMMIT", lease_id, 2) == b"OK"
+    assert r.execute_command("KV.MGET", NS, b"b", b"c", b"d") == [None, b"c" * 10, None]
+    assert r.execute_command("KV.INFO", NS, b"c")[b"parent"] == b"b".hex().encode()
+    for bad in (2, 0, 9, -1, "x"):
+        with pytest.raises(redis.ResponseError, match=r"no reserved slot|invalid index"):
+            r.execute_command("KV.COMMIT", lease_id, bad)
+    assert info(r)["kv_leases"] == 1 and info(r)["kv_leased_bytes"] == 20
+    assert r.execute_command("KV.COMMIT", lease_id, 3, 1) == b"OK"
+    assert r.execute_command("KV.MATCH", NS, b"a", b"b", b"c", b"d") == 4
+    assert info(r)["kv_leases"] == 0
+    with pytest.raises(redis.ResponseError, match="no such lease"):
+        r.execute_command("KV.COMMIT", lease_id)
+    wid, _ = r.execute_command("KV.RESERVE", NS, b"e", b"d", 10)
+    with pytest.raises(redis.ResponseError, match="takes no index"):
+        r.execute_command("KV.COMMIT", wid, 0)
+    r.execute_command("KV.ABORT", wid)
+
+
+def test_abort_and_expiry_after_some_chunks_were_published(r: redis.Redis) -> None:
+    """Chunks published one by one stay stored; KV.ABORT (or expiry, fenced while the holder is
+    connected) discards only the ones left, and frees their slots."""
+    lease_id, entries = r.execute_command("KV.MRESERVE", NS, b"", 3, b"a", 10, b"b", 10, b"c", 10)
+    write_slot(r, entries[0], b"A" * 10)
+    r.execute_command("KV.COMMIT", lease_id, 0)
+    r.execute_command("KV.ABORT", lease_id)
+    assert r.execute_command("KV.MGET", NS, b"a", b"b", b"c") == [b"A" * 10, None, None]
+    assert info(r)["dram_used"] == 4 * KiB and info(r)["kv_leases"] == 0
+    lease_id, entries = r.execute_command(
+        "KV.MRESERVE", NS, b"a", 2, b"b", 5000, b"c", 5000, "TTL", 100
+    )
+    write_slot(r, entries[0], b"B" * 5000)
+    r.execute_command("KV.COMMIT", lease_id, 0)
+    assert wait_for(lambda: info(r)["kv_fenced_leases"] == 1)
+    assert info(r)["kv_fenced_bytes"] == 5000  # only the slot still reserved
+    with pytest.raises(redis.ResponseError, match="expired"):
+        r.execute_command("KV.COMMIT", lease_id, 1)
+    assert r.execute_command("KV.MGET", NS, b"b", b"c") == [b"B" * 5000, None]
+    assert info(r)["kv_fenced_bytes"] == 0

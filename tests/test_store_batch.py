@@ -37,7 +37,7 @@ def test_commit_stops_at_a_failing_chunk_publishing_only_those_before_it() -> No
                 await real(*args)
 
             store.writes.commit_new = failing
-            with pytest.raises(CommandError, match=r"chunk 3 of 4 .* 2 before it were, .*full"):
+            with pytest.raises(CommandError, match=r"chunk 2 .* 2 named before it were, .*full"):
                 await store.commit(res.lease.id)
             store.writes.commit_new = real
             assert store.match(NS, hashes) == 2

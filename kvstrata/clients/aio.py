@@ -37,6 +37,7 @@ from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, RegionInfo
 from kvstrata.clients.sync import settings_from_url
+from kvstrata.protocol.errors import RespError
 
 __all__ = [
     "AsyncClient",
@@ -133,11 +134,28 @@ class AsyncWriteBatch(WriteBatchBase):
     """Reserved slots of a chain; ``async with`` commits them all on success and aborts them
     all on an exception."""
 
-    __slots__ = ("_client",)
+    __slots__ = ("_client", "_sent")
 
     def __init__(self, client: AsyncClient, *args: Any) -> None:
         super().__init__(*args)
         self._client = client
+        self._sent: list[asyncio.Future[Any]] = []
+
+    async def publish(self, i: int) -> None:
+        """Publish chunk ``i`` now (see :meth:`kvstrata.clients.sync.WriteBatch.publish`):
+        ``KV.COMMIT lease i`` is sent from a task; commit/abort wait for the replies."""
+        if self.done:
+            raise RuntimeError("this write batch is already committed or aborted")
+        self._check_unpublished(i)
+        await _wait(self.fence(), strict=True)
+        sent = self._client.execute("KV.COMMIT", self._lease(), i)
+        self._sent.append(asyncio.ensure_future(sent))
+        self.published.append(i)
+
+    async def _collect(self) -> BaseException | None:
+        sent, self._sent = self._sent, []
+        results = await asyncio.gather(*sent, return_exceptions=True)
+        return next((r for r in results if isinstance(r, BaseException)), None)
 
     async def commit(self) -> None:
         if self.done:
@@ -148,15 +166,25 @@ class AsyncWriteBatch(WriteBatchBase):
             await self.abort()  # never publish bytes not known to be complete
             raise
         self.done = True
-        assert self.lease_id is not None
-        await self._client.commit(self.lease_id)
+        error = await self._collect()
+        if error is not None:
+            if self.unpublished():
+                try:  # do not leave the rest reserved until the TTL
+                    await self._client.abort(self._lease())
+                except (OSError, RespError):
+                    pass
+            raise error
+        if self.unpublished():
+            await self._client.commit(self._lease())
 
     async def abort(self) -> None:
+        """Discard the chunks not published yet (those published stay stored)."""
         if not self.done:
             await _wait(self.fence())  # a queued write must not land in a slot's next tenant
             self.done = True
-            assert self.lease_id is not None
-            await self._client.abort(self.lease_id)
+            await self._collect()
+            if self.unpublished():
+                await self._client.abort(self._lease())
 
     async def __aenter__(self) -> AsyncWriteBatch:
         return self
@@ -340,6 +368,7 @@ class AsyncClient:
                 async with batch:
                     for i in batch.reserved:
                         batch.write(i, srcs[i])
+                        await batch.publish(i)
                 return put_states(batch.states)
             except RegionMapError:
                 self.shared_memory = False  # the server is on another host: bytes over TCP

@@ -192,11 +192,13 @@ class WriteLeaseBase(HandleViews):
 
 class WriteBatchBase(HandleViews):
     """Reserved, invisible slots for chunks of one chain (``KV.MRESERVE``): fill them, then
-    commit (publish them all, in chain order) or abort (discard them all). ``hashes[i]`` has a
+    commit (publish them all, in chain order) or abort (discard them all). ``publish(i)``
+    publishes one filled chunk at once, without waiting (the server checksums it while the next
+    slot is filled); commit then publishes the rest. ``hashes[i]`` has a
     slot when ``states[i] == "reserved"``; ``"exists"`` and ``"busy"`` chunks have none (stored
     already, or another client is writing them): nothing to write for them."""
 
-    __slots__ = ("done", "grant", "hashes", "namespace")
+    __slots__ = ("done", "grant", "hashes", "namespace", "published")
 
     def __init__(
         self,
@@ -210,6 +212,7 @@ class WriteBatchBase(HandleViews):
         self.hashes = tuple(hashes)
         self.grant = grant
         self.done = grant.lease_id is None  # nothing reserved: nothing to commit
+        self.published: list[int] = []  # chunks sent with publish(i), in order
 
     @property
     def lease_id(self) -> LeaseId | None:
@@ -226,6 +229,20 @@ class WriteBatchBase(HandleViews):
 
     def __len__(self) -> int:
         return len(self.grant.handles)
+
+    def unpublished(self) -> list[int]:
+        """Reserved chunks not sent with ``publish`` yet (the final commit publishes them)."""
+        done = set(self.published)
+        return [i for i in self.reserved if i not in done]
+
+    def _check_unpublished(self, i: int) -> None:
+        self._slot(i)
+        if i in self.published:
+            raise ValueError(f"chunk {i} is published already")
+
+    def _lease(self) -> LeaseId:
+        assert self.grant.lease_id is not None
+        return self.grant.lease_id
 
     def _slot(self, i: int) -> Handle:
         handle = self.grant.handles[i]

@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 
 from kvstrata.clients import commands as cmd
 from kvstrata.clients.commands import Call, HashLike
-from kvstrata.clients.connection import ConnectionPool, ConnectionSettings
+from kvstrata.clients.connection import ConnectionPool, ConnectionSettings, SyncConnection
 from kvstrata.clients.handles import RegionMapError, lease_tier
 from kvstrata.clients.leases import (
     Fence,
@@ -37,6 +37,7 @@ from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, RegionInfo
+from kvstrata.protocol.errors import RespError
 
 __all__ = ["Client", "Lease", "Pipeline", "WriteBatch", "WriteLease", "settings_from_url"]
 
@@ -142,13 +143,43 @@ class WriteBatch(WriteBatchBase):
     """Reserved slots of a chain (see :class:`~kvstrata.clients.leases.WriteBatchBase`);
     ``with`` commits them all on success and aborts them all on an exception."""
 
-    __slots__ = ("_client",)
+    __slots__ = ("_client", "_stream")
 
     def __init__(self, client: Client, *args: Any) -> None:
         super().__init__(*args)
         self._client = client
+        self._stream: SyncConnection | None = None
+
+    def publish(self, i: int) -> None:
+        """Publish chunk ``i`` now without waiting for the server: ``KV.COMMIT lease i`` goes
+        out on a connection this batch keeps until :meth:`commit`/:meth:`abort`, which read
+        the replies. The server checksums and publishes the chunk while this thread fills the
+        next slot. Call it once the slot is completely written."""
+        if self.done:
+            raise RuntimeError("this write batch is already committed or aborted")
+        self._check_unpublished(i)
+        _wait(self.fence(), strict=True)  # queued GPU writes into the slot come first
+        if self._stream is None:
+            self._stream = self._client.pool.acquire()
+        self._stream.send([("KV.COMMIT", self.lease_id, i)])
+        self.published.append(i)
+
+    def _collect(self) -> Exception | None:
+        """Read the replies of the chunks published so far; the first error among them."""
+        conn, self._stream = self._stream, None
+        if conn is None:
+            return None
+        try:
+            replies = conn.receive(len(self.published))
+        except Exception as exc:
+            return exc
+        finally:
+            self._client.pool.release(conn)
+        return next((r for r in replies if isinstance(r, RespError)), None)
 
     def commit(self) -> None:
+        """Publish every chunk not published yet (one ``KV.COMMIT``) and check that the
+        published ones were; a failure raises and aborts what is left."""
         if self.done:
             raise RuntimeError("this write batch is already committed or aborted")
         try:  # the server checksums the slots: the engine's writes must be done
@@ -157,15 +188,25 @@ class WriteBatch(WriteBatchBase):
             self.abort()  # never publish bytes not known to be complete
             raise
         self.done = True
-        assert self.lease_id is not None
-        self._client.commit(self.lease_id)
+        error = self._collect()
+        if error is not None:
+            if self.unpublished():
+                try:  # do not leave the rest reserved until the TTL
+                    self._client.abort(self._lease())
+                except (OSError, RespError):
+                    pass  # the lease is gone already (expired, server restarted)
+            raise error
+        if self.unpublished():
+            self._client.commit(self._lease())
 
     def abort(self) -> None:
+        """Discard the chunks not published yet (those published stay stored)."""
         if not self.done:
             _wait(self.fence())  # a queued write must not land in a slot's next tenant
             self.done = True
-            assert self.lease_id is not None
-            self._client.abort(self.lease_id)
+            self._collect()
+            if self.unpublished():
+                self._client.abort(self._lease())
 
     def __enter__(self) -> WriteBatch:
         return self
@@ -355,6 +396,7 @@ class Client:
                 with self.reserve_chain(ns, parent, hashes, sizes, tokens, tier="dram") as batch:
                     for i in batch.reserved:
                         batch.write(i, srcs[i])
+                        batch.publish(i)  # checksummed by the server while the next is copied
                 return put_states(batch.states)
             except RegionMapError:
                 self.shared_memory = False  # the server is on another host: bytes over TCP

@@ -32,6 +32,7 @@ from kvstrata.store.kvstore_batch import (
     check_batch,
     commit_batch,
     reserve_batch,
+    take_chunks,
 )
 from kvstrata.store.kvstore_build import build_tiers, status_of
 from kvstrata.store.kvstore_gpu import GpuPath
@@ -221,13 +222,18 @@ class KVStore:
         self.state.admit_lease(holder)
         return await reserve_batch(self.writes, ns, parent, items, tokens, ttl, tier, holder)
 
-    async def commit(self, lease_id: str) -> None:
-        """KV.COMMIT of a KV.RESERVE or a KV.MRESERVE lease."""
+    async def commit(self, lease_id: str, indexes: Sequence[int] = ()) -> None:
+        """KV.COMMIT of a KV.RESERVE or a KV.MRESERVE lease; with ``indexes``, only those
+        chunks of a KV.MRESERVE lease (by request position)."""
+        if indexes:
+            _, chunks = take_chunks(self.writes, lease_id, indexes)
+            await commit_batch(self.writes, chunks)
+            return
         lease = self.writes.take_write_lease(lease_id, "KV.COMMIT")
         if isinstance(lease, WriteLease):
             await self.writes.commit(lease)
         else:
-            await commit_batch(self.writes, lease)
+            await commit_batch(self.writes, lease.chunks)
 
     def abort(self, lease_id: str) -> None:
         self.writes.abort(lease_id)

@@ -9,8 +9,13 @@ The batch keeps every guarantee of a single reservation:
   room ran out), the slots already reserved by the command are freed and nothing is leased.
   A chunk that already exists, or that another client is writing right now, gets no slot and
   is reported as such (``exists`` / ``busy``): the engine has nothing to write for it.
+- ``KV.COMMIT lease index…`` publishes the chunks it names (at their request positions) and
+  leaves the others reserved, so a writer can publish each chunk as soon as it is written
+  while it fills the next (the server checksums one chunk while the client copies another);
+  ``KV.COMMIT lease`` publishes all that are left, and the lease ends when none is left.
 - Committing stops at the first chunk that cannot be published (a write-through tier failed):
-  the chunks before it are published, it and the rest are discarded, and the error says which.
+  the chunks named before it are published, it and the rest of the command's are discarded,
+  and the error says which.
 - The batch is one lease (``lease-max``, ``lease-max-per-client`` count it once); expiry while
   its holder is still connected fences all its slots, as for a single reservation.
 """
@@ -32,7 +37,15 @@ from kvstrata.store.leases import (
 )
 from kvstrata.tiers.base import Handle, TierError
 
-__all__ = ["BUSY", "EXISTS", "BatchItem", "BatchReservation", "commit_batch", "reserve_batch"]
+__all__ = [
+    "BUSY",
+    "EXISTS",
+    "BatchItem",
+    "BatchReservation",
+    "commit_batch",
+    "reserve_batch",
+    "take_chunks",
+]
 
 #: Per-chunk outcomes of a reservation that made no slot for the chunk.
 EXISTS = "exists"  # the chunk is stored already
@@ -90,14 +103,14 @@ async def reserve_batch(
     reserved: list[ReservedChunk] = []
     entries: list[Handle | str] = []
     try:
-        for item in items:
+        for i, item in enumerate(items):
             key = ChunkKey(ns, item.hash)
             if state.live(key) is not None:
                 entries.append(EXISTS)
             elif not state.claim(key):
                 entries.append(BUSY)
             else:
-                chunk = await _reserve_one(writes, key, parent, tokens, item.nbytes, tier)
+                chunk = await _reserve_one(writes, i, key, parent, tokens, item.nbytes, tier)
                 reserved.append(chunk)
                 entries.append(chunk.handle)
             parent = item.hash
@@ -109,7 +122,7 @@ async def reserve_batch(
         return BatchReservation(None, tuple(entries))
     lease = BatchWriteLease(
         id=state.leases.new_id(),
-        chunks=tuple(reserved),
+        pending={c.index: c for c in reserved},
         deadline=deadline_after(ttl_ms, state.leases.clock),
         holder=holder,
     )
@@ -118,7 +131,13 @@ async def reserve_batch(
 
 
 async def _reserve_one(
-    writes: WritePath, key: ChunkKey, parent: bytes, tokens: int, nbytes: int, tier: str | None
+    writes: WritePath,
+    index: int,
+    key: ChunkKey,
+    parent: bytes,
+    tokens: int,
+    nbytes: int,
+    tier: str | None,
 ) -> ReservedChunk:
     """A slot for ``key``, whose claim the caller took (released here when this fails)."""
     try:
@@ -130,13 +149,33 @@ async def _reserve_one(
         writes.state.release_claim(key)
         raise OutOfMemoryError(writes.placement.describe_full(nbytes))
     sink, handle = slot
-    return ReservedChunk(key, parent, tokens, nbytes, handle, sink)
+    return ReservedChunk(index, key, parent, tokens, nbytes, handle, sink)
 
 
-async def commit_batch(writes: WritePath, lease: BatchWriteLease) -> None:
-    """Publish every slot of ``lease`` (taken from the table) in chain order; on the first
-    failure the rest are discarded and the error names the chunk."""
-    chunks = lease.chunks
+def take_chunks(
+    writes: WritePath, lease_id: str, indexes: Sequence[int]
+) -> tuple[BatchWriteLease, list[ReservedChunk]]:
+    """The reserved chunks at request positions ``indexes`` of a live KV.MRESERVE lease, taken
+    out of it (in chain order); the lease leaves the table when none is left."""
+    lease = writes.find_write_lease(lease_id, "KV.COMMIT")
+    if not isinstance(lease, BatchWriteLease):
+        raise CommandError(f"lease {lease_id} is a KV.RESERVE lease: KV.COMMIT takes no index")
+    wanted = sorted(set(indexes))
+    for i in wanted:
+        if i not in lease.pending:
+            raise CommandError(
+                f"chunk {i} has no reserved slot in lease {lease_id} (stored already, busy, "
+                "published already, or no such position)"
+            )
+    chunks = [lease.pending.pop(i) for i in wanted]
+    if not lease.pending:
+        writes.state.leases.pop(lease_id)
+    return lease, chunks
+
+
+async def commit_batch(writes: WritePath, chunks: Sequence[ReservedChunk]) -> None:
+    """Publish ``chunks`` (taken out of their lease) in order; on the first failure the rest
+    are discarded and the error names the chunk."""
     for chunk in chunks:
         chunk.sink.consume()
     try:
@@ -151,8 +190,9 @@ async def commit_batch(writes: WritePath, lease: BatchWriteLease) -> None:
                 )
             except RespError as exc:
                 where = (
-                    f"KV.COMMIT: chunk {i + 1} of {len(chunks)} reserved ({chunk.key.hex}) was "
-                    f"not published, {i} before it were, the rest were discarded: {exc.message}"
+                    f"KV.COMMIT: chunk {chunk.index} ({chunk.key.hex}) was not published, the "
+                    f"{i} named before it were, it and the {len(chunks) - i - 1} after it were "
+                    f"discarded: {exc.message}"
                 )
                 raise CommandError(where, prefix=exc.prefix) from exc
     finally:

@@ -404,9 +404,9 @@ class WritePath:
         assert dram is not None
         return StoreSink(self.state, key, view), dram.reserved_handle(key)
 
-    def take_write_lease(self, lease_id: str, verb: str) -> WriteLease | BatchWriteLease:
-        """Remove a live write lease (of KV.RESERVE or KV.MRESERVE) from the table for
-        ``verb``; an expired one is aborted and refused, like an unknown or a read lease."""
+    def find_write_lease(self, lease_id: str, verb: str) -> WriteLease | BatchWriteLease:
+        """A live write lease (of KV.RESERVE or KV.MRESERVE) for ``verb``, left in the table;
+        an expired one is ended and refused, like an unknown or a read lease."""
         leases = self.state.leases
         lease = leases.get(lease_id)
         if lease is None:
@@ -415,10 +415,16 @@ class WritePath:
             raise LeaseError(f"no such lease {lease_id!r} (unknown, ended or expired)")
         if isinstance(lease, ReadLease):
             raise LeaseError(f"lease {lease_id} is a read lease; {verb} needs a KV.RESERVE lease")
-        leases.pop(lease_id)
         if leases.is_expired(lease):
+            leases.pop(lease_id)
             self.end_write_lease(lease)
             raise LeaseError(f"lease {lease_id} expired")
+        return lease
+
+    def take_write_lease(self, lease_id: str, verb: str) -> WriteLease | BatchWriteLease:
+        """:meth:`find_write_lease`, removed from the table."""
+        lease = self.find_write_lease(lease_id, verb)
+        self.state.leases.pop(lease_id)
         return lease
 
     async def commit(self, lease: WriteLease) -> None:

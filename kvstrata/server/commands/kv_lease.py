@@ -225,19 +225,25 @@ async def kv_mreserve(ctx: Ctx, args: Args) -> Reply:
 
 @command(
     "KV.COMMIT",
-    2,
+    -2,
     "write",
     group="kv",
-    summary="Publishes a reserved chunk (KV.RESERVE) or every chunk of a batch (KV.MRESERVE, in "
+    summary="Publishes a reserved chunk (KV.RESERVE) or the chunks of a batch (KV.MRESERVE, in "
     "chain order): its checksum is computed over the written bytes (a GPU slot is first copied "
-    "to DRAM), then it becomes visible (and is written to write-through tiers).",
-    arguments=(LEASE,),
+    "to DRAM), then it becomes visible (and is written to write-through tiers). With index "
+    "arguments (positions in the KV.MRESERVE request), only those chunks of the batch are "
+    "published and the others stay reserved, so a writer can publish each chunk as soon as "
+    "it is written; without, every chunk left. The lease ends when no chunk is left.",
+    arguments=(LEASE, Arg("index", "integer", optional=True, multiple=True)),
     reply="Simple string OK; -NOLEASE for an unknown, expired or read lease (an expired lease is "
-    "never committed). When a chunk of a batch cannot be published, the error names it: the "
-    "chunks before it are published, it and the rest are discarded.",
+    "never committed); -ERR for an index with no reserved slot in the lease, or any index with "
+    "a KV.RESERVE lease. When a chunk of a batch cannot be published, the error names it: the "
+    "chunks named before it are published, it and the rest are discarded.",
 )
 async def kv_commit(ctx: Ctx, args: Args) -> Reply:
-    await store_of(ctx).commit(_lease_id(args[1]))
+    lease_id = _lease_id(args[1])
+    indexes = [int_option(a, "index", 0, 2**31) for a in args[2:]]
+    await store_of(ctx).commit(lease_id, indexes)
     return OK
 
 
