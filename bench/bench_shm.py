@@ -7,6 +7,10 @@ Contenders, alternated round by round (the order rotates), medians of GB/s per c
 - kvstrata ``KV.RESERVE`` + copy + ``KV.COMMIT`` per chunk (2n round trips);
 - kvstrata ``KV.MRESERVE`` of the n chunks + n copies + one ``KV.COMMIT`` (``reserve_chain``;
   2 round trips);
+- the same, the chunks published as soon as they are copied, in groups of ~4 MiB
+  (``WriteBatch.publish``: ``KV.COMMIT lease i…`` sent without waiting; the server checksums
+  one group while the client copies the next; the replies are read at the end): what
+  ``put_chain`` does;
 - kvstrata ``KV.LEASE`` of the n chunks + n copies out + ``KV.RELEASE``;
 - LMCache MP server, as its vLLM worker adapter drives it (``EngineDrivenContextShm``): put =
   ``prepare_store`` + n copies into its slots + ``commit_store``; get = ``prepare_retrieve`` +
@@ -51,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _servers import free_port, kvstrata_server
 
 from kvstrata.clients import Client
+from kvstrata.clients.leases import PublishGroups
 
 NS = "bench-shm@f16@c256"
 MiB = 1024 * 1024
@@ -115,6 +120,16 @@ class KvstrataShm:
                 np.copyto(batch.array(i), self.srcs[i])
         self.stored += self.batch
 
+    def put_published(self) -> None:
+        self.batch = self._hashes(b"p")
+        sizes = [s.nbytes for s in self.srcs]
+        with self.kv.reserve_chain(NS, None, self.batch, sizes, tokens=256) as batch:
+            group = PublishGroups(batch.publish)
+            for i in batch.reserved:
+                np.copyto(batch.array(i), self.srcs[i])
+                group.add(i, sizes[i])
+        self.stored += self.batch
+
     def get_leased(self) -> None:
         lease = self.kv.lease(NS, self.batch, tier="dram")
         assert lease is not None and len(lease) == self.n
@@ -142,8 +157,8 @@ def measure(
 ) -> dict[str, float]:
     k = KvstrataShm(kv, mib, n)
     steps: dict[str, Callable[[], object]] = {
-        "chunk put": k.put_per_chunk, "batch put": k.put_batched, "lease get": k.get_leased,
-        "memcpy": k.memcpy,
+        "chunk put": k.put_per_chunk, "batch put": k.put_batched, "publish put": k.put_published,
+        "lease get": k.get_leased, "memcpy": k.memcpy,
     }  # fmt: skip
     if lmc is not None:
         lmc.call("setup", mib=mib, n=n, torch_copy=torch_copy)
@@ -153,9 +168,9 @@ def measure(
     times: dict[str, list[float]] = {name: [] for name in order}
     for r in range(rounds + 1):  # round 0 warms up
         rot = order[r % len(order) :] + order[: r % len(order)]
-        if "lease get" in rot and rot.index("lease get") < rot.index("batch put"):
+        if "lease get" in rot and rot.index("lease get") < rot.index("publish put"):
             rot.remove("lease get")
-            rot.insert(rot.index("batch put") + 1, "lease get")
+            rot.insert(rot.index("publish put") + 1, "lease get")
         if "lmc get" in rot and rot.index("lmc get") < rot.index("lmc put"):
             rot.remove("lmc get")
             rot.insert(rot.index("lmc put") + 1, "lmc get")
@@ -168,7 +183,9 @@ def measure(
         k.next_round()
     total = n * mib * MiB
     out = {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
-    for a, b in (("batch put", "lmc put"), ("lease get", "lmc get"), ("batch put", "chunk put")):
+    pairs = (("batch put", "lmc put"), ("publish put", "lmc put"), ("lease get", "lmc get"),
+             ("publish put", "chunk put"))  # fmt: skip
+    for a, b in pairs:
         if b in times:  # a busy machine slows a whole round: the ratio within rounds is steadier
             out[f"{a}/{b}"] = statistics.median(
                 tb / ta for ta, tb in zip(times[a], times[b], strict=True)
@@ -199,18 +216,21 @@ def main() -> None:
     finally:
         if lmc is not None:
             lmc.close()
-    print("Shared-memory put / get, n chunks per request (GB/s, medians of alternated rounds;")
+    print("Shared-memory put (kv chunk: RESERVE+COMMIT per chunk; kv batch: MRESERVE + one COMMIT;")
+    print("kv publish: MRESERVE + COMMIT of each chunk once copied, replies read at the end) and")
+    print("get, n chunks per request (GB/s, medians of alternated rounds;")
     print("ratios: medians of the per-round ratios)")
-    head = (f"{'MiB':>4} {'n':>3} {'memcpy':>7} {'kv chunk put':>13} {'kv batch put':>13}"
-            f" {'LMCache put':>12} {'batch/LMC':>10} {'batch/chunk':>12}"
+    head = (f"{'MiB':>4} {'n':>3} {'memcpy':>7} {'kv chunk':>9} {'kv batch':>9} {'kv publish':>11}"
+            f" {'LMCache':>8} {'batch/LMC':>10} {'publ/LMC':>9} {'publ/chunk':>11}"
             f" {'kv lease get':>13} {'LMCache get':>12} {'lease/LMC':>10}")  # fmt: skip
     print(head)
     nan = float("nan")
     for mib, n, g in rows:
-        print(f"{mib:>4} {n:>3} {g['memcpy']:>7.2f} {g['chunk put']:>13.2f}"
-              f" {g['batch put']:>13.2f} {g.get('lmc put', nan):>12.2f}"
-              f" {g.get('batch put/lmc put', nan):>10.2f} {g['batch put/chunk put']:>12.2f}"
-              f" {g['lease get']:>13.2f} {g.get('lmc get', nan):>12.2f}"
+        print(f"{mib:>4} {n:>3} {g['memcpy']:>7.2f} {g['chunk put']:>9.2f}"
+              f" {g['batch put']:>9.2f} {g['publish put']:>11.2f} {g.get('lmc put', nan):>8.2f}"
+              f" {g.get('batch put/lmc put', nan):>10.2f} {g.get('publish put/lmc put', nan):>9.2f}"
+              f" {g['publish put/chunk put']:>11.2f} {g['lease get']:>13.2f}"
+              f" {g.get('lmc get', nan):>12.2f}"
               f" {g.get('lease get/lmc get', nan):>10.2f}")  # fmt: skip
 
 

@@ -212,8 +212,10 @@ def test_publish_sends_each_chunk_without_waiting_and_commit_collects(
             with pytest.raises(ValueError, match="published already"):
                 batch.publish(1)
             batch.write(2, b"c" * 100)
+            with pytest.raises(ValueError, match="published already"):
+                batch.publish(2, 1)
             batch.write(3, b"d" * 100)
-        assert batch.published == [0, 1] and batch.unpublished() == [2, 3] and batch.done
+        assert batch.published == [(0,), (1,)] and batch.unpublished() == [2, 3] and batch.done
         assert kv.mget(NS, hs) == [b"a" * 100, b"b" * 100, b"c" * 100, b"d" * 100]
         more = hashes(3, b"m")
         with pytest.raises(RuntimeError, match="boom"), kv.reserve_chain(
@@ -245,3 +247,15 @@ def test_async_publish(server: RunningServer) -> None:
             assert await kv.mget(NS, hs) == [b"A" * 8, b"B" * 8, b"C" * 8]
 
     asyncio.run(main())
+
+
+def test_publish_groups_hand_over_about_publish_bytes() -> None:
+    from kvstrata.clients.leases import PUBLISH_BYTES, PublishGroups
+
+    sent: list[tuple[int, ...]] = []
+    group = PublishGroups(lambda *ix: sent.append(ix))
+    for i in range(5):
+        group.add(i, PUBLISH_BYTES // 2)
+    assert sent == [(0, 1), (2, 3)]  # chunk 4 is left for the final commit
+    group.add(5, PUBLISH_BYTES * 3)
+    assert sent[-1] == (4, 5)

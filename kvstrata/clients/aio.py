@@ -26,6 +26,7 @@ from kvstrata.clients.handles import RegionMapError, lease_tier
 from kvstrata.clients.leases import (
     Fence,
     LeaseBase,
+    PublishGroups,
     WriteBatchBase,
     WriteLeaseBase,
     batch_slices,
@@ -141,16 +142,16 @@ class AsyncWriteBatch(WriteBatchBase):
         self._client = client
         self._sent: list[asyncio.Future[Any]] = []
 
-    async def publish(self, i: int) -> None:
-        """Publish chunk ``i`` now (see :meth:`kvstrata.clients.sync.WriteBatch.publish`):
-        ``KV.COMMIT lease i`` is sent from a task; commit/abort wait for the replies."""
+    async def publish(self, *indexes: int) -> None:
+        """Publish chunks now (see :meth:`kvstrata.clients.sync.WriteBatch.publish`):
+        ``KV.COMMIT lease i…`` is sent from a task; commit/abort wait for the replies."""
         if self.done:
             raise RuntimeError("this write batch is already committed or aborted")
-        self._check_unpublished(i)
+        self._check_unpublished(indexes)
         await _wait(self.fence(), strict=True)
-        sent = self._client.execute("KV.COMMIT", self._lease(), i)
+        sent = self._client.execute("KV.COMMIT", self._lease(), *indexes)
         self._sent.append(asyncio.ensure_future(sent))
-        self.published.append(i)
+        self.published.append(indexes)
 
     async def _collect(self) -> BaseException | None:
         sent, self._sent = self._sent, []
@@ -366,9 +367,12 @@ class AsyncClient:
             try:
                 batch = await self.reserve_chain(ns, parent, hashes, sizes, tokens, tier="dram")
                 async with batch:
+                    group = PublishGroups(batch.publish)
                     for i in batch.reserved:
                         batch.write(i, srcs[i])
-                        await batch.publish(i)
+                        sent = group.add(i, sizes[i])
+                        if sent is not None:
+                            await sent
                 return put_states(batch.states)
             except RegionMapError:
                 self.shared_memory = False  # the server is on another host: bytes over TCP

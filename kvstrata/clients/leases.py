@@ -39,6 +39,7 @@ __all__ = [
     "BATCH_CHUNKS",
     "Fence",
     "LeaseBase",
+    "PublishGroups",
     "WriteBatchBase",
     "WriteLeaseBase",
     "batch_slices",
@@ -212,7 +213,7 @@ class WriteBatchBase(HandleViews):
         self.hashes = tuple(hashes)
         self.grant = grant
         self.done = grant.lease_id is None  # nothing reserved: nothing to commit
-        self.published: list[int] = []  # chunks sent with publish(i), in order
+        self.published: list[tuple[int, ...]] = []  # groups sent with publish(), in order
 
     @property
     def lease_id(self) -> LeaseId | None:
@@ -232,13 +233,18 @@ class WriteBatchBase(HandleViews):
 
     def unpublished(self) -> list[int]:
         """Reserved chunks not sent with ``publish`` yet (the final commit publishes them)."""
-        done = set(self.published)
+        done = {i for group in self.published for i in group}
         return [i for i in self.reserved if i not in done]
 
-    def _check_unpublished(self, i: int) -> None:
-        self._slot(i)
-        if i in self.published:
-            raise ValueError(f"chunk {i} is published already")
+    def _check_unpublished(self, indexes: Sequence[int]) -> None:
+        if not indexes:
+            raise ValueError("publish() needs at least one chunk index")
+        done = {i for group in self.published for i in group}
+        for i in indexes:
+            self._slot(i)
+            if i in done:
+                raise ValueError(f"chunk {i} is published already")
+            done.add(i)
 
     def _lease(self) -> LeaseId:
         assert self.grant.lease_id is not None
@@ -292,6 +298,34 @@ def batch_slices(sizes: Sequence[int], max_chunks: int = BATCH_CHUNKS,
     if start < len(sizes):
         out.append(slice(start, len(sizes)))
     return out
+
+
+#: a writer publishes the chunks it has filled once they hold this many bytes: large enough that
+#: small chunks do not cost one command each, small enough that the server's checksum of one
+#: group overlaps the copies into the next
+PUBLISH_BYTES = 4 * 1024 * 1024
+
+
+class PublishGroups:
+    """Hands filled chunks to ``publish`` in groups of about ``PUBLISH_BYTES``; the batch's
+    commit publishes the last, partial group."""
+
+    __slots__ = ("_bytes", "_indexes", "_publish")
+
+    def __init__(self, publish: Callable[..., Any]) -> None:
+        self._publish = publish
+        self._indexes: list[int] = []
+        self._bytes = 0
+
+    def add(self, index: int, nbytes: int) -> Any:
+        """Record chunk ``index`` as filled; returns what ``publish`` returned (an awaitable for
+        the async batch) when a group was sent, else None."""
+        self._indexes.append(index)
+        self._bytes += nbytes
+        if self._bytes < PUBLISH_BYTES:
+            return None
+        indexes, self._indexes, self._bytes = self._indexes, [], 0
+        return self._publish(*indexes)
 
 
 def put_states(states: Sequence[str]) -> list[str]:

@@ -27,6 +27,7 @@ from kvstrata.clients.handles import RegionMapError, lease_tier
 from kvstrata.clients.leases import (
     Fence,
     LeaseBase,
+    PublishGroups,
     WriteBatchBase,
     WriteLeaseBase,
     batch_slices,
@@ -143,26 +144,27 @@ class WriteBatch(WriteBatchBase):
     """Reserved slots of a chain (see :class:`~kvstrata.clients.leases.WriteBatchBase`);
     ``with`` commits them all on success and aborts them all on an exception."""
 
-    __slots__ = ("_client", "_stream")
+    __slots__ = ("_client", "_read", "_stream")
 
     def __init__(self, client: Client, *args: Any) -> None:
         super().__init__(*args)
         self._client = client
         self._stream: SyncConnection | None = None
+        self._read = 0  # replies of published groups read so far
 
-    def publish(self, i: int) -> None:
-        """Publish chunk ``i`` now without waiting for the server: ``KV.COMMIT lease i`` goes
-        out on a connection this batch keeps until :meth:`commit`/:meth:`abort`, which read
-        the replies. The server checksums and publishes the chunk while this thread fills the
-        next slot. Call it once the slot is completely written."""
+    def publish(self, *indexes: int) -> None:
+        """Publish chunks now without waiting for the server: ``KV.COMMIT lease i…`` goes out
+        on a connection this batch keeps until :meth:`commit`/:meth:`abort`, which read the
+        replies. The server checksums and publishes them while this thread fills the next
+        slots. Call it once their slots are completely written."""
         if self.done:
             raise RuntimeError("this write batch is already committed or aborted")
-        self._check_unpublished(i)
-        _wait(self.fence(), strict=True)  # queued GPU writes into the slot come first
+        self._check_unpublished(indexes)
+        _wait(self.fence(), strict=True)  # queued GPU writes into the slots come first
         if self._stream is None:
             self._stream = self._client.pool.acquire()
-        self._stream.send([("KV.COMMIT", self.lease_id, i)])
-        self.published.append(i)
+        self._stream.send([("KV.COMMIT", self.lease_id, *indexes)])
+        self.published.append(indexes)
 
     def _collect(self) -> Exception | None:
         """Read the replies of the chunks published so far; the first error among them."""
@@ -170,10 +172,11 @@ class WriteBatch(WriteBatchBase):
         if conn is None:
             return None
         try:
-            replies = conn.receive(len(self.published))
+            replies = conn.receive(len(self.published) - self._read)
         except Exception as exc:
             return exc
         finally:
+            self._read = len(self.published)
             self._client.pool.release(conn)
         return next((r for r in replies if isinstance(r, RespError)), None)
 
@@ -394,9 +397,10 @@ class Client:
             sizes = [len(b) for b in srcs]
             try:
                 with self.reserve_chain(ns, parent, hashes, sizes, tokens, tier="dram") as batch:
+                    group = PublishGroups(batch.publish)
                     for i in batch.reserved:
                         batch.write(i, srcs[i])
-                        batch.publish(i)  # checksummed by the server while the next is copied
+                        group.add(i, sizes[i])  # checksummed by the server while we copy on
                 return put_states(batch.states)
             except RegionMapError:
                 self.shared_memory = False  # the server is on another host: bytes over TCP
