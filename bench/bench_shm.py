@@ -9,8 +9,7 @@ Contenders, alternated round by round (the order rotates), medians of GB/s per c
   2 round trips);
 - the same, the chunks published as soon as they are copied, in groups of ~4 MiB
   (``WriteBatch.publish``: ``KV.COMMIT lease i…`` sent without waiting; the server checksums
-  one group while the client copies the next; the replies are read at the end): what
-  ``put_chain`` does;
+  one group while the client copies the next; the replies are read at the end);
 - kvstrata ``KV.LEASE`` of the n chunks + n copies out + ``KV.RELEASE``;
 - LMCache MP server, as its vLLM worker adapter drives it (``EngineDrivenContextShm``): put =
   ``prepare_store`` + n copies into its slots + ``commit_store``; get = ``prepare_retrieve`` +

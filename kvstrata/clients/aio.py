@@ -26,7 +26,6 @@ from kvstrata.clients.handles import RegionMapError, lease_tier
 from kvstrata.clients.leases import (
     Fence,
     LeaseBase,
-    PublishGroups,
     WriteBatchBase,
     WriteLeaseBase,
     batch_slices,
@@ -367,12 +366,8 @@ class AsyncClient:
             try:
                 batch = await self.reserve_chain(ns, parent, hashes, sizes, tokens, tier="dram")
                 async with batch:
-                    group = PublishGroups(batch.publish)
                     for i in batch.reserved:
                         batch.write(i, srcs[i])
-                        sent = group.add(i, sizes[i])
-                        if sent is not None:
-                            await sent
                 return put_states(batch.states)
             except RegionMapError:
                 self.shared_memory = False  # the server is on another host: bytes over TCP

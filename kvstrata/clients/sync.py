@@ -27,7 +27,6 @@ from kvstrata.clients.handles import RegionMapError, lease_tier
 from kvstrata.clients.leases import (
     Fence,
     LeaseBase,
-    PublishGroups,
     WriteBatchBase,
     WriteLeaseBase,
     batch_slices,
@@ -397,10 +396,8 @@ class Client:
             sizes = [len(b) for b in srcs]
             try:
                 with self.reserve_chain(ns, parent, hashes, sizes, tokens, tier="dram") as batch:
-                    group = PublishGroups(batch.publish)
                     for i in batch.reserved:
                         batch.write(i, srcs[i])
-                        group.add(i, sizes[i])  # checksummed by the server while we copy on
                 return put_states(batch.states)
             except RegionMapError:
                 self.shared_memory = False  # the server is on another host: bytes over TCP
