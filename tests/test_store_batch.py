@@ -9,7 +9,7 @@ import pytest
 
 from kvstrata.protocol.errors import CommandError, LeaseError
 from kvstrata.store.kvstore_batch import EXISTS, BatchItem
-from tests.fakes import chain, open_store
+from tests.fakes import chain, make_dram, open_store
 
 NS = "m@c4"
 
@@ -51,5 +51,25 @@ def test_commit_stops_at_a_failing_chunk_publishing_only_those_before_it() -> No
             assert (await store.reserve_batch(NS, b"", [BatchItem(hashes[0], 1)])).entries == (
                 EXISTS,
             )
+
+    asyncio.run(main())
+
+
+def test_batches_into_a_full_dram_make_room_while_the_demoter_evicts() -> None:
+    """Scenario (found by bench_vllm_tier): chains of 16 chunks of 2 MiB are reserved in one
+    batch each into a 128 MiB DRAM with nothing below it. The fourth fills it; for the fifth the
+    demoter picks the chains' leaves (the only victims) and, before their moves even start, the
+    room maker finds no victim left: it must wait for that round instead of answering -OOM.
+    Every batch gets its slots; DRAM ends below its capacity."""
+
+    async def main() -> None:
+        async with open_store([make_dram(128 << 20)]) as store:
+            for r in range(7):
+                items = [BatchItem(b"r%d-%02d" % (r, i), 2 << 20) for i in range(16)]
+                res = await store.reserve_batch(NS, b"", items)
+                assert res.lease is not None and len(res.lease.chunks) == 16
+                await store.commit(res.lease.id)
+                assert store.match(NS, [item.hash for item in items]) == 16
+            assert store.state.dram.used <= 128 << 20
 
     asyncio.run(main())
