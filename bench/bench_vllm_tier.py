@@ -9,7 +9,8 @@ Both tiers are built by ``SecondaryTierFactory`` over the same primary buffer (`
 of ``--row-mib`` MiB, i.e. the same vLLM chunk size) and timed the way vLLM uses them: one job
 of all rows submitted, then ``get_finished_jobs`` polled until it is reported. Rows:
 
-- store and load GB/s: kvstrata (same host: KV.RESERVE/COMMIT and lease + one memcpy; and
+- store and load GB/s: kvstrata (same host: KV.MRESERVE + one memcpy per row + KV.COMMIT,
+  and lease + one memcpy; and
   ``load=mget``: KV.MGET received in place), vLLM ``fs`` (``--fs-dir``; O_DIRECT when the
   filesystem takes it, buffered otherwise: a tmpfs or page-cached file is a memory copy too),
   and ``np.copyto`` of the same bytes (the one-copy bound);

@@ -225,8 +225,8 @@ OPTIONS: tuple[Option, ...] = (
          "Which string keys a write over maxmemory evicts (Redis's policies); noeviction "
          "answers -OOM.", mutable=True),
     _opt("write-wait-queue", 4096, _int(1, 10**6),
-         "Most writes (KV.PUT, KV.RESERVE, promotions for KV.LEASE) waiting in turn for DRAM "
-         "room; more get -OOM.", mutable=True),
+         "Most writes (KV.PUT, KV.RESERVE/MRESERVE, promotions for KV.LEASE) waiting in turn "
+         "for DRAM room; more get -OOM.", mutable=True),
     _opt("write-wait-timeout", 30000, _int(1, 3_600_000),
          "Most ms a write waits in turn for DRAM room before -OOM.", mutable=True),
     _opt("client-output-buffer-limit", BufferLimits(), parse_buffer_limits,
@@ -239,8 +239,8 @@ OPTIONS: tuple[Option, ...] = (
          "Seconds a half-received command (a payload being uploaded) may make no progress "
          "before its connection is closed and its DRAM slot freed (0 = never).", mutable=True),
     _opt("max-chain-chunks", 65536, _int(1, 2**31 - 1),
-         "Most chunks (hashes) one KV.MATCH/MGET/LEASE/PREFETCH names or one KV.MATCHTOKENS "
-         "produces.", mutable=True),
+         "Most chunks (hashes) one KV.MATCH/MGET/LEASE/MRESERVE/PREFETCH names or one "
+         "KV.MATCHTOKENS produces.", mutable=True),
     _opt("max-match-tokens", 16 * 1024 * 1024, _int(1, 2**31 - 1),
          "Most token ids in one KV.MATCHTOKENS.", mutable=True),
     _opt("min-chunk-tokens", 16, _int(1, 1 << 20),

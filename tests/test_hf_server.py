@@ -82,3 +82,54 @@ def test_restart_restores_from_nvme_with_same_logits(
         assert torch.equal(after.logits, recompute_logits(model, ids, split=64))
         again = pc.prefill(ids, store=False)  # the read promoted the chunks
         assert again.tiers == ("dram",) * 4
+
+
+def test_stores_are_written_in_place_with_one_reserve_per_prompt(server: Any, model: Any) -> None:
+    """On the server's host a prompt's new chunks are encoded straight into shared memory:
+    one KV.MRESERVE and one KV.COMMIT for the four chunks, no KV.PUT; a later prompt that
+    extends it reserves only its new chunk, and everything restores exactly."""
+    import redis
+
+    ids = _ids(90, seed=3)
+    r = redis.Redis(port=server.port)
+    r.config_resetstat()
+    with Client(port=server.port) as kv:
+        pc = HFPrefixCache(model, kv, chunk_tokens=C)
+        pc.prefill(ids[:, :64])
+        assert pc.wait_stored() == 4
+        stats = r.info("commandstats")
+        assert stats["cmdstat_kv.mreserve"]["calls"] == 1
+        assert stats["cmdstat_kv.commit"]["calls"] == 1
+        assert "cmdstat_kv.put" not in stats
+        res = pc.prefill(ids[:, :81])
+        assert res.reused_tokens == 64 and pc.wait_stored() == 5
+        assert r.info("commandstats")["cmdstat_kv.mreserve"]["calls"] == 2
+        assert r.execute_command("KV.MATCH", pc.namespace, *pc.hashes(ids[:, :81])) == 5
+        res = pc.prefill(ids, store=False)
+        assert res.reused_tokens == 80
+        assert torch.equal(res.logits, recompute_logits(model, ids, split=80))
+        pc.close()
+
+
+def test_stores_fall_back_to_put_when_the_arena_is_not_mappable(
+    server: Any, model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server on another host: the reserved slots cannot be mapped, the batch is aborted and
+    the chunks go as KV.PUT (and keep going that way); they restore exactly over KV.MGET."""
+    from kvstrata.clients import handles as client_handles
+    from kvstrata.clients.handles import RegionMapError
+
+    def unmappable(region: Any) -> Any:
+        raise RegionMapError("not on this host")
+
+    monkeypatch.setattr(client_handles, "map_shm", unmappable)
+    monkeypatch.setattr(client_handles, "_shm", {})
+    ids = _ids(70, seed=4)
+    with Client(port=server.port) as kv:
+        pc = HFPrefixCache(model, kv, chunk_tokens=C, load="mget")
+        pc.prefill(ids[:, :64])
+        assert pc.wait_stored() == 4 and not pc.store_in_place
+        res = pc.prefill(ids, store=False)
+        assert res.reused_tokens == 64
+        assert torch.equal(res.logits, recompute_logits(model, ids, split=64))
+        pc.close()

@@ -5,11 +5,18 @@ Heavy optional parts (torch, transformers integration, codecs) are imported from
 modules (``kvstrata.clients.hf``, ``.layout``, ``.codecs``), not here.
 """
 
-from kvstrata.clients.aio import AsyncClient, AsyncLease, AsyncPipeline, AsyncWriteLease
+from kvstrata.clients.aio import (
+    AsyncClient,
+    AsyncLease,
+    AsyncPipeline,
+    AsyncWriteBatch,
+    AsyncWriteLease,
+)
 from kvstrata.clients.connection import ConnectionClosedError, ConnectionSettings
 from kvstrata.clients.handles import CudaUnavailable, RegionMapError
 from kvstrata.clients.resp import BufferTooSmall
 from kvstrata.clients.results import (
+    BatchGrant,
     Handle,
     LeaseGrant,
     MatchResult,
@@ -17,7 +24,7 @@ from kvstrata.clients.results import (
     ReserveGrant,
     TokenMatch,
 )
-from kvstrata.clients.sync import Client, Lease, Pipeline, WriteLease
+from kvstrata.clients.sync import Client, Lease, Pipeline, WriteBatch, WriteLease
 from kvstrata.protocol.errors import (
     CommandError,
     LeaseError,
@@ -33,7 +40,9 @@ __all__ = [
     "AsyncClient",
     "AsyncLease",
     "AsyncPipeline",
+    "AsyncWriteBatch",
     "AsyncWriteLease",
+    "BatchGrant",
     "BufferTooSmall",
     "Client",
     "CommandError",
@@ -54,6 +63,7 @@ __all__ = [
     "ReserveGrant",
     "RespError",
     "TokenMatch",
+    "WriteBatch",
     "WriteLease",
     "WrongPassError",
     "chunk_hashes",

@@ -22,14 +22,30 @@ from kvstrata.clients import commands as cmd
 from kvstrata.clients.aioconn import AsyncConnectionPool
 from kvstrata.clients.commands import Call, HashLike
 from kvstrata.clients.connection import ConnectionSettings
-from kvstrata.clients.handles import lease_tier
-from kvstrata.clients.leases import Fence, LeaseBase, WriteLeaseBase, run_fence
+from kvstrata.clients.handles import RegionMapError, lease_tier
+from kvstrata.clients.leases import (
+    Fence,
+    LeaseBase,
+    WriteBatchBase,
+    WriteLeaseBase,
+    batch_slices,
+    put_states,
+    run_fence,
+)
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
+from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, RegionInfo
 from kvstrata.clients.sync import settings_from_url
+from kvstrata.protocol.errors import RespError
 
-__all__ = ["AsyncClient", "AsyncLease", "AsyncPipeline", "AsyncWriteLease"]
+__all__ = [
+    "AsyncClient",
+    "AsyncLease",
+    "AsyncPipeline",
+    "AsyncWriteBatch",
+    "AsyncWriteLease",
+]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -114,6 +130,75 @@ class AsyncWriteLease(WriteLeaseBase):
             await self.abort()
 
 
+class AsyncWriteBatch(WriteBatchBase):
+    """Reserved slots of a chain; ``async with`` commits them all on success and aborts them
+    all on an exception."""
+
+    __slots__ = ("_client", "_sent")
+
+    def __init__(self, client: AsyncClient, *args: Any) -> None:
+        super().__init__(*args)
+        self._client = client
+        self._sent: list[asyncio.Future[Any]] = []
+
+    async def publish(self, *indexes: int) -> None:
+        """Publish chunks now (see :meth:`kvstrata.clients.sync.WriteBatch.publish`):
+        ``KV.COMMIT lease i…`` is sent from a task; commit/abort wait for the replies."""
+        if self.done:
+            raise RuntimeError("this write batch is already committed or aborted")
+        self._check_unpublished(indexes)
+        await _wait(self.fence(), strict=True)
+        sent = self._client.execute("KV.COMMIT", self._lease(), *indexes)
+        self._sent.append(asyncio.ensure_future(sent))
+        self.published.append(indexes)
+
+    async def _collect(self) -> BaseException | None:
+        sent, self._sent = self._sent, []
+        results = await asyncio.gather(*sent, return_exceptions=True)
+        return next((r for r in results if isinstance(r, BaseException)), None)
+
+    async def commit(self) -> None:
+        if self.done:
+            raise RuntimeError("this write batch is already committed or aborted")
+        try:  # the server checksums the slots: the engine's writes must be done
+            await _wait(self.fence(), strict=True)
+        except Exception:
+            await self.abort()  # never publish bytes not known to be complete
+            raise
+        self.done = True
+        error = await self._collect()
+        if error is not None:
+            if self.unpublished():
+                try:  # do not leave the rest reserved until the TTL
+                    await self._client.abort(self._lease())
+                except (OSError, RespError):
+                    pass
+            raise error
+        if self.unpublished():
+            await self._client.commit(self._lease())
+
+    async def abort(self) -> None:
+        """Discard the chunks not published yet (those published stay stored)."""
+        if not self.done:
+            await _wait(self.fence())  # a queued write must not land in a slot's next tenant
+            self.done = True
+            await self._collect()
+            if self.unpublished():
+                await self._client.abort(self._lease())
+
+    async def __aenter__(self) -> AsyncWriteBatch:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if et is None:
+            if not self.done:
+                await self.commit()
+        else:
+            await self.abort()
+
+
 class AsyncPipeline(PipelineBase):
     """Commands sent in one write on one connection; ``await execute()`` returns results."""
 
@@ -145,6 +230,7 @@ class AsyncClient:
         self.pool = AsyncConnectionPool(self.settings, max_connections)
         self._regions: dict[str, RegionInfo] = {}
         self._regions_generation = -1
+        self.shared_memory = True  # see Client.shared_memory
 
     @classmethod
     async def connect(cls, host: str = "127.0.0.1", port: int = 7379, **kwargs: Any) -> AsyncClient:
@@ -230,6 +316,66 @@ class AsyncClient:
         except BaseException:
             await self.abort(grant.lease_id)  # free the reserved slot now, not at the TTL
             raise
+
+    async def reserve_chain(
+        self,
+        ns: str,
+        parent: HashLike | None,
+        hashes: Sequence[HashLike],
+        sizes: Sequence[int],
+        tokens: int = 0,
+        ttl_ms: int | None = None,
+        tier: str | None = None,
+    ) -> AsyncWriteBatch:
+        """Slots for a chain in one round trip (see
+        :meth:`kvstrata.clients.Client.reserve_chain`)."""
+        grant = await self._run(cmd.mreserve(ns, parent, hashes, sizes, tokens, ttl_ms, tier))
+        try:
+            regions = await self._regions_for([h for h in grant.handles if h is not None])
+            keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
+            return AsyncWriteBatch(self, ns, keys, grant, regions)
+        except BaseException:
+            if grant.lease_id is not None:
+                await self.abort(grant.lease_id)  # free the reserved slots now, not at the TTL
+            raise
+
+    async def put_chain(
+        self,
+        ns: str,
+        hashes: Sequence[HashLike],
+        payloads: Sequence[Any],
+        parent: HashLike | None = None,
+        tokens: int = 0,
+    ) -> list[str]:
+        """Store a chain, skipping chunks stored already (see
+        :meth:`kvstrata.clients.Client.put_chain`)."""
+        if len(payloads) != len(hashes):
+            raise ValueError("put_chain needs one payload per hash")
+        srcs = [as_bytes_view(p) for p in payloads]
+        out: list[str] = []
+        for part in batch_slices([len(b) for b in srcs]):
+            link = parent if part.start == 0 else hashes[part.start - 1]
+            out += await self._put_batch(ns, hashes[part], srcs[part], link, tokens)
+        return out
+
+    async def _put_batch(
+        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
+    ) -> list[str]:
+        if self.shared_memory:
+            sizes = [len(b) for b in srcs]
+            try:
+                batch = await self.reserve_chain(ns, parent, hashes, sizes, tokens, tier="dram")
+                async with batch:
+                    for i in batch.reserved:
+                        batch.write(i, srcs[i])
+                return put_states(batch.states)
+            except RegionMapError:
+                self.shared_memory = False  # the server is on another host: bytes over TCP
+        p = self.pipeline()
+        for h, src in zip(hashes, srcs, strict=True):
+            p.put(ns, h, parent, src, tokens=tokens, nx=True)
+            parent = h
+        return ["stored" if ok else "exists" for ok in await p.execute()]
 
     commit = _command(cmd.commit)
     abort = _command(cmd.abort)

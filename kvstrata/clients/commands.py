@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from kvstrata.clients.results import (
+    BatchGrant,
     Handle,
     LeaseGrant,
     LeaseId,
@@ -204,6 +205,41 @@ def _reserve(reply: Any) -> ReserveGrant:
     return ReserveGrant(_lease_id(lease_id), parse_handle(handle))
 
 
+def mreserve(
+    ns: str,
+    parent: HashLike | None,
+    hashes: Sequence[HashLike],
+    sizes: Sequence[int],
+    tokens: int = 0,
+    ttl_ms: int | None = None,
+    tier: str | None = None,
+) -> Call[BatchGrant]:
+    """Slots for the chain ``hashes`` (the first linked to ``parent``) under one write lease;
+    ``sizes[i]`` bytes for chunk ``i``; ``tokens`` for each chunk."""
+    if len(sizes) != len(hashes) or not hashes:
+        raise ValueError("one size per hash, at least one hash")
+    args: list[Any] = ["KV.MRESERVE", ns, hash_bytes(parent or b""), len(hashes)]
+    for h, n in zip(hashes, sizes, strict=True):
+        args += (hash_bytes(h), int(n))
+    args += ("TOKENS", int(tokens)) if tokens else ()
+    return Call((*args, *_ttl(ttl_ms), *_tier(tier)), _mreserve)
+
+
+def _mreserve(reply: Any) -> BatchGrant:
+    lease_id, entries = reply
+    handles: list[Handle | None] = []
+    states: list[str] = []
+    for entry in entries:
+        if isinstance(entry, list | tuple):
+            handles.append(parse_handle(entry))
+            states.append("reserved")
+        else:
+            handles.append(None)
+            states.append(as_str(entry))
+    lid = None if lease_id is None else _lease_id(lease_id)
+    return BatchGrant(lid, tuple(handles), tuple(states))
+
+
 def commit(lease_id: LeaseId) -> Call[None]:
     return Call(("KV.COMMIT", lease_id), _ok)
 
@@ -274,6 +310,7 @@ __all__ = [
     "match_tokens",
     "method_like",
     "mget",
+    "mreserve",
     "ping",
     "put",
     "raw",

@@ -190,6 +190,43 @@ class SyncConnection:
             self.close()  # e.g. KeyboardInterrupt mid-reply: the stream is out of step
             raise
 
+    def send(
+        self, commands: Sequence[Sequence[Any]], outs: Sequence[OutSpec] | None = None
+    ) -> None:
+        """Send commands without reading their replies; :meth:`receive` reads them, in order
+        (a write batch publishes chunks this way while it fills the next ones)."""
+        if self.closed:
+            raise ConnectionClosedError("connection is closed")
+        buffers: list[Any] = []
+        for cmd in commands:
+            buffers += command_buffers(cmd)
+        outs = list(outs) if outs is not None else [None] * len(commands)
+        if len(outs) != len(commands):
+            raise ValueError("one out per command")
+        with self._closing_on_error():
+            self._pending.extend(outs)
+            self._sendall(buffers)
+
+    def receive(self, count: int) -> list[Any]:
+        """The next ``count`` replies of commands sent with :meth:`send` (error replies are
+        returned, not raised)."""
+        with self._closing_on_error():
+            return self._read(count)
+
+    @contextmanager
+    def _closing_on_error(self) -> Iterator[None]:
+        """As in :meth:`pipeline`: a failed read or write leaves the stream out of step."""
+        try:
+            yield
+        except (OSError, RespError) as exc:
+            self.close()
+            if isinstance(exc, RespError | TimeoutError):
+                raise
+            raise ConnectionClosedError(f"connection lost: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
+
     def _sendall(self, buffers: list[Any]) -> None:
         bufs = [b if isinstance(b, bytes) else memoryview(b).cast("B") for b in buffers]
         if isinstance(self._sock, ssl.SSLSocket):  # no sendmsg over TLS: one buffer at a time

@@ -10,8 +10,11 @@
    into per-layer key/value tensors preallocated for the whole prefix, which become the layers
    of a ``DynamicCache``;
 3. runs the model only on the rest of the prompt;
-4. hands the prompt's new full chunks to a background thread that encodes and stores them
-   (``KV.PUT``), so generation goes on meanwhile (:meth:`HFPrefixCache.wait_stored` joins).
+4. hands the prompt's new full chunks to a background thread that encodes and stores them,
+   so generation goes on meanwhile (:meth:`HFPrefixCache.wait_stored` joins): encoded straight
+   into slots of the server's shared memory reserved for the whole chain in one round trip
+   (``KV.MRESERVE``, then one ``KV.COMMIT``) when the server is on this host, else one
+   ``KV.PUT`` per chunk.
 
 A prompt cached in full still runs its last token through the model (the next-token logits need
 it): the restored prefix is one token shorter than the cached one.
@@ -35,7 +38,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from kvstrata.clients.codecs import get_codec
 from kvstrata.clients.handles import RegionMapError
 from kvstrata.clients.hf_model import KVGeometry, kv_geometry, model_namespace
-from kvstrata.clients.layout import ChunkLayout, pack_chunk, packed_size, unpack_into
+from kvstrata.clients.layout import ChunkLayout, pack_chunk, pack_into, packed_size, unpack_into
+from kvstrata.clients.leases import batch_slices
 from kvstrata.store.hashing import chunk_hashes
 
 __all__ = ["GenerateResult", "HFPrefixCache", "KVClient", "PrefillResult", "model_namespace"]
@@ -44,9 +48,9 @@ __all__ = ["GenerateResult", "HFPrefixCache", "KVClient", "PrefillResult", "mode
 class KVClient(Protocol):
     """The part of :class:`kvstrata.clients.sync.Client` this module uses. It must be safe to
     call from two threads (the real client is: it borrows a pooled connection per call).
-    Optional: ``match_tiers`` (returns ``.matched`` and ``.tiers``) and ``lease`` (zero-copy
+    Optional: ``match_tiers`` (returns ``.matched`` and ``.tiers``), ``lease`` (zero-copy
     reads; returns an object with ``payloads()`` (or only ``views()``) and ``release()``, or
-    None)."""
+    None) and ``reserve_chain`` (zero-copy writes, see :meth:`Client.reserve_chain`)."""
 
     def match(self, ns: str, hashes: Sequence[bytes]) -> int: ...
 
@@ -142,6 +146,8 @@ class HFPrefixCache:
         self._cache_kw = _cache_kwarg(model)
         self.load = load
         self._store_client = store_client or client
+        #: False once the server's arena proved unreachable (stores then go as KV.PUT)
+        self.store_in_place = callable(getattr(self._store_client, "reserve_chain", None))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-store")
         self._pending: list[Future[int]] = []
         self._stats = _Stats()
@@ -344,14 +350,40 @@ class HFPrefixCache:
     def _store_chunks(
         self, views: list[tuple[Any, Any]], jobs: list[tuple[bytes, bytes, slice]]
     ) -> int:
+        if self.store_in_place:
+            try:
+                return self._store_in_place(views, jobs)
+            except RegionMapError:
+                self.store_in_place = False  # the server is on another host
         stored = 0
         for h, parent, sl in jobs:
-            keys = [k[0, :, sl] for k, _ in views]
-            values = [v[0, :, sl] for _, v in views]
-            payload = pack_chunk(keys, values, self.codec)
+            payload = pack_chunk(*self._chunk(views, sl), self.codec)
             self._store_client.put(self.namespace, h, parent, payload, tokens=sl.stop - sl.start)
             stored += 1
             self._stats.stored_chunks += 1
+        return stored
+
+    def _chunk(self, views: list[tuple[Any, Any]], sl: slice) -> tuple[list[Any], list[Any]]:
+        return [k[0, :, sl] for k, _ in views], [v[0, :, sl] for _, v in views]
+
+    def _store_in_place(
+        self, views: list[tuple[Any, Any]], jobs: list[tuple[bytes, bytes, slice]]
+    ) -> int:
+        """Encode the chain straight into slots reserved for it (one KV.MRESERVE and one
+        KV.COMMIT per batch); chunks stored already count as stored, as with KV.PUT."""
+        size = packed_size(self._layout(self.chunk_tokens))
+        reserve_chain = self._store_client.reserve_chain  # type: ignore[attr-defined]
+        stored = 0
+        for part in batch_slices([size] * len(jobs)):
+            batch_jobs = jobs[part]
+            hashes = [h for h, _, _ in batch_jobs]
+            with reserve_chain(self.namespace, batch_jobs[0][1], hashes, [size] * len(hashes),
+                               tokens=self.chunk_tokens) as batch:  # fmt: skip
+                for i in batch.reserved:
+                    pack_into(batch.tensor(i), *self._chunk(views, batch_jobs[i][2]), self.codec)
+            done = sum(state != "busy" for state in batch.states)
+            stored += done
+            self._stats.stored_chunks += done
         return stored
 
 

@@ -1,5 +1,8 @@
 """Lease objects: zero-copy read leases (``KV.LEASE``) and write leases (``KV.RESERVE``).
 
+A write batch (``KV.MRESERVE``) is one write lease over the slots of several chunks of a chain:
+filled in place, then committed (or aborted) in one round trip.
+
 The view methods live here, shared by the sync and async clients; ``sync.py`` and ``aio.py``
 add how a lease ends (``release``/``commit``/``abort``, blocking or awaited) and the context
 manager protocol. A view is valid only while its lease is held.
@@ -22,11 +25,34 @@ import numpy as np
 from kvstrata.clients.cuda_ipc import stream_fence
 from kvstrata.clients.handles import HandleViews, mapped_devices
 from kvstrata.clients.resp import as_bytes_view
-from kvstrata.clients.results import Handle, LeaseGrant, LeaseId, RegionInfo, ReserveGrant
+from kvstrata.clients.results import (
+    BatchGrant,
+    Handle,
+    LeaseGrant,
+    LeaseId,
+    RegionInfo,
+    ReserveGrant,
+)
 
-__all__ = ["Fence", "LeaseBase", "WriteLeaseBase", "run_fence"]
+__all__ = [
+    "BATCH_BYTES",
+    "BATCH_CHUNKS",
+    "Fence",
+    "LeaseBase",
+    "PublishGroups",
+    "WriteBatchBase",
+    "WriteLeaseBase",
+    "batch_slices",
+    "put_states",
+    "run_fence",
+]
 
 log = logging.getLogger(__name__)
+
+#: ``put_chain`` sends at most this many chunks / bytes per ``KV.MRESERVE``: a batch is reserved
+#: whole or not at all, so a very long chain is cut where the arena could more easily refuse it.
+BATCH_CHUNKS = 256
+BATCH_BYTES = 256 * 1024 * 1024
 
 #: Waits for the GPU work queued on a lease's ``cuda`` slots (see the module docstring).
 Fence = Callable[[], None]
@@ -163,3 +189,146 @@ class WriteLeaseBase(HandleViews):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.lease_id!r} {self.nbytes} bytes>"
+
+
+class WriteBatchBase(HandleViews):
+    """Reserved, invisible slots for chunks of one chain (``KV.MRESERVE``): fill them, then
+    commit (publish them all, in chain order) or abort (discard them all). ``publish(i)``
+    publishes one filled chunk at once, without waiting (the server checksums it while the next
+    slot is filled); commit then publishes the rest. ``hashes[i]`` has a
+    slot when ``states[i] == "reserved"``; ``"exists"`` and ``"busy"`` chunks have none (stored
+    already, or another client is writing them): nothing to write for them."""
+
+    __slots__ = ("done", "grant", "hashes", "namespace", "published")
+
+    def __init__(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        grant: BatchGrant,
+        regions: dict[str, RegionInfo],
+    ) -> None:
+        super().__init__(regions, writable=True)
+        self.namespace = namespace
+        self.hashes = tuple(hashes)
+        self.grant = grant
+        self.done = grant.lease_id is None  # nothing reserved: nothing to commit
+        self.published: list[tuple[int, ...]] = []  # groups sent with publish(), in order
+
+    @property
+    def lease_id(self) -> LeaseId | None:
+        return self.grant.lease_id
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        return self.grant.states
+
+    @property
+    def reserved(self) -> list[int]:
+        """Indexes of the chunks that have a slot (to fill)."""
+        return [i for i, h in enumerate(self.grant.handles) if h is not None]
+
+    def __len__(self) -> int:
+        return len(self.grant.handles)
+
+    def unpublished(self) -> list[int]:
+        """Reserved chunks not sent with ``publish`` yet (the final commit publishes them)."""
+        done = {i for group in self.published for i in group}
+        return [i for i in self.reserved if i not in done]
+
+    def _check_unpublished(self, indexes: Sequence[int]) -> None:
+        if not indexes:
+            raise ValueError("publish() needs at least one chunk index")
+        done = {i for group in self.published for i in group}
+        for i in indexes:
+            self._slot(i)
+            if i in done:
+                raise ValueError(f"chunk {i} is published already")
+            done.add(i)
+
+    def _lease(self) -> LeaseId:
+        assert self.grant.lease_id is not None
+        return self.grant.lease_id
+
+    def _slot(self, i: int) -> Handle:
+        handle = self.grant.handles[i]
+        if handle is None:
+            raise KeyError(f"chunk {i} has no slot: it is {self.grant.states[i]}")
+        return handle
+
+    def fence(self) -> Fence | None:
+        """The wait for this thread's queued GPU work on the slots (see WriteLeaseBase)."""
+        return _device_fence(self._regions, [h for h in self.grant.handles if h is not None])
+
+    def view(self, i: int) -> memoryview:
+        """Chunk ``i``'s slot as a writable memoryview (``shm`` regions)."""
+        return self._view(self._slot(i))
+
+    def array(self, i: int, dtype: Any = np.uint8) -> np.ndarray:
+        """Chunk ``i``'s slot as a writable 1-D numpy array (``shm`` regions)."""
+        return self._array(self._slot(i), dtype)
+
+    def tensor(self, i: int, dtype: Any = None) -> Any:
+        """Chunk ``i``'s slot as a writable 1-D torch tensor (CPU ``shm``, CUDA ``cuda``)."""
+        return self._tensor(self._slot(i), dtype)
+
+    def write(self, i: int, data: Any, offset: int = 0) -> None:
+        """Copy ``data`` (bytes-like, numpy array, CPU tensor) into chunk ``i``'s slot."""
+        src = as_bytes_view(data)
+        n, size = len(src), self._slot(i).length
+        if offset < 0 or offset + n > size:
+            raise ValueError(f"{n} bytes at offset {offset} do not fit a {size}-byte slot")
+        self.view(i)[offset : offset + n] = src
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.lease_id!r} {len(self.reserved)}/{len(self)} slots>"
+
+
+def batch_slices(sizes: Sequence[int], max_chunks: int = BATCH_CHUNKS,
+                 max_bytes: int = BATCH_BYTES) -> list[slice]:  # fmt: skip
+    """Cut a chain into consecutive batches of at most ``max_chunks`` chunks and ``max_bytes``
+    bytes (a single larger chunk is a batch of its own)."""
+    out: list[slice] = []
+    start, nbytes = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (i - start >= max_chunks or nbytes + size > max_bytes):
+            out.append(slice(start, i))
+            start, nbytes = i, 0
+        nbytes += size
+    if start < len(sizes):
+        out.append(slice(start, len(sizes)))
+    return out
+
+
+#: a writer publishes the chunks it has filled once they hold this many bytes: large enough that
+#: small chunks do not cost one command each, small enough that the server's checksum of one
+#: group overlaps the copies into the next
+PUBLISH_BYTES = 4 * 1024 * 1024
+
+
+class PublishGroups:
+    """Hands filled chunks to ``publish`` in groups of about ``PUBLISH_BYTES``; the batch's
+    commit publishes the last, partial group."""
+
+    __slots__ = ("_bytes", "_indexes", "_publish")
+
+    def __init__(self, publish: Callable[..., Any]) -> None:
+        self._publish = publish
+        self._indexes: list[int] = []
+        self._bytes = 0
+
+    def add(self, index: int, nbytes: int) -> Any:
+        """Record chunk ``index`` as filled; returns what ``publish`` returned (an awaitable for
+        the async batch) when a group was sent, else None."""
+        self._indexes.append(index)
+        self._bytes += nbytes
+        if self._bytes < PUBLISH_BYTES:
+            return None
+        indexes, self._indexes, self._bytes = self._indexes, [], 0
+        return self._publish(*indexes)
+
+
+def put_states(states: Sequence[str]) -> list[str]:
+    """A batch's per-chunk states as ``put_chain`` reports them: ``stored`` (by this call),
+    ``exists`` or ``busy``."""
+    return ["stored" if s == "reserved" else s for s in states]

@@ -14,9 +14,10 @@ shapes, dtypes, memory format) followed by the KV bytes, so a read needs no seco
 chunk hash is ``SHA-256(key.to_string())`` in a namespace of the key's model, world size, worker
 and dtype. Existence of a batch is one ``KV.MATCH`` (LMCache asks for the leading hits, which is
 what it answers); batched reads are one ``KV.LEASE`` (copied out of the server's shared-memory
-arena when it is on this host) or one ``KV.MGET``; batched writes link each chunk to the one
-before it, and the parent of a batch's first chunk is remembered from earlier lookups, so
-kvstrata's eviction keeps prefixes whole.
+arena when it is on this host) or one ``KV.MGET``; batched writes are one ``KV.MRESERVE`` and
+one ``KV.COMMIT`` on this host (copies into the reserved slots), else pipelined ``KV.PUT``s,
+and link each chunk to the one before it; the parent of a batch's first chunk is remembered
+from earlier lookups, so kvstrata's eviction keeps prefixes whole.
 
 Quirks of LMCache 0.5.6 this module follows:
 
@@ -51,8 +52,8 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstrata.clients.adapters import key_hash, namespace_of
 from kvstrata.clients.handles import RegionMapError
+from kvstrata.clients.leases import batch_slices
 from kvstrata.clients.sync import Client
-from kvstrata.protocol.errors import CommandError
 
 __all__ = ["KvstrataConnector", "plugin_url"]
 
@@ -273,27 +274,24 @@ class KvstrataConnector(RemoteConnector):
     def _write_in_place(
         self, ns: str, hashes: list[bytes], parent: bytes | None, objs: Sequence[Any]
     ) -> None:
-        for i, (h, obj) in enumerate(zip(hashes, objs, strict=True)):
-            body = np.frombuffer(obj.byte_array, np.uint8)
-            head = self._header(obj, body)
+        """One KV.MRESERVE per batch of the chain (header + KV bytes per chunk), the copies
+        into the slots, one KV.COMMIT; chunks stored already (or being stored) are skipped."""
+        bodies = [np.frombuffer(obj.byte_array, np.uint8) for obj in objs]
+        heads = [self._header(obj, body) for obj, body in zip(objs, bodies, strict=True)]
+        sizes = [len(h) + b.nbytes for h, b in zip(heads, bodies, strict=True)]
+        for part in batch_slices(sizes):
+            link = parent if part.start == 0 else hashes[part.start - 1]
             try:
-                slot = self.client.reserve(
-                    ns, h, parent, len(head) + body.nbytes, ttl_ms=self.ttl_ms
-                )
-            except CommandError as e:
-                if "already exists" not in str(e):
-                    raise
-            else:
-                try:
-                    with slot:  # aborted if the slot cannot be mapped
-                        view = slot.array()
+                with self.client.reserve_chain(ns, link, hashes[part], sizes[part],
+                                               ttl_ms=self.ttl_ms) as batch:  # fmt: skip
+                    for i in batch.reserved:
+                        head, view = heads[part.start + i], batch.array(i)
                         view[: len(head)] = np.frombuffer(head, np.uint8)
-                        view[len(head) :] = body
-                except RegionMapError:
-                    self.zero_copy = False  # the server is on another host
-                    self._write_tcp(ns, hashes[i:], parent, objs[i:])
-                    return
-            parent = h
+                        view[len(head) :] = bodies[part.start + i]
+            except RegionMapError:
+                self.zero_copy = False  # the server is on another host
+                self._write_tcp(ns, hashes[part.start :], link, objs[part.start :])
+                return
 
     def _write_tcp(
         self, ns: str, hashes: list[bytes], parent: bytes | None, objs: Sequence[Any]

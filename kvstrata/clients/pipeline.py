@@ -66,6 +66,7 @@ class PipelineBase:
     match_tokens = _queued(cmd.match_tokens)
     lease = _queued(cmd.lease)
     reserve = _queued(cmd.reserve)
+    mreserve = _queued(cmd.mreserve)
     commit = _queued(cmd.commit)
     abort = _queued(cmd.abort)
     release = _queued(cmd.release)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "BatchGrant",
     "Handle",
     "LeaseGrant",
     "LeaseId",
@@ -84,6 +85,17 @@ class ReserveGrant:
 
     lease_id: LeaseId
     handle: Handle
+
+
+@dataclass(frozen=True, slots=True)
+class BatchGrant:
+    """``KV.MRESERVE``: one write lease over the slots of a chain's chunks (None when no chunk
+    got one) and, per chunk in order, its slot's handle or None; ``states[i]`` is
+    ``"reserved"``, ``"exists"`` (stored already) or ``"busy"`` (another client writes it)."""
+
+    lease_id: LeaseId | None
+    handles: tuple[Handle | None, ...]
+    states: tuple[str, ...]
 
 
 def as_str(value: Any) -> str:

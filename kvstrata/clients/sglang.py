@@ -28,8 +28,8 @@ Quirks of SGLang 0.5.23 this module follows:
   ``"interface_v1": 1``; they address pages by raw pointers
   (``mem_pool_host.get_page_buffer_meta``: K and V buffers per page for ``page_first``, per
   layer for ``layer_first``). A page's buffers are stored back to back in one chunk. On the
-  server's host they are copied through its shared-memory arena (``KV.LEASE`` /
-  ``KV.RESERVE``); elsewhere through ``KV.MGET``/``KV.PUT``.
+  server's host they are copied through its shared-memory arena (``KV.LEASE``; writes: one
+  ``KV.MRESERVE`` and one ``KV.COMMIT`` per batch); elsewhere through ``KV.MGET``/``KV.PUT``.
 - The prefetch and backup threads call the backend at once; the client's pool makes every call
   thread-safe, counters sit behind a lock.
 - Methods return HiCache's failure values (``None``, ``False``, ``0``) when the server cannot
@@ -56,9 +56,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvstrata.clients.adapters import gather, key_hash, namespace_of, pointer_array, scatter
 from kvstrata.clients.handles import RegionMapError
+from kvstrata.clients.leases import batch_slices
 from kvstrata.clients.resp import BufferTooSmall
 from kvstrata.clients.sync import Client
-from kvstrata.protocol.errors import CommandError, RespError
+from kvstrata.protocol.errors import RespError
 
 __all__ = ["HiCacheIOStats", "KvstrataHiCacheStorage"]
 
@@ -313,29 +314,26 @@ class KvstrataHiCacheStorage(HiCacheStorage):
     def _store_in_place(
         self, hashes: list[bytes], parent: bytes | None, pages: list[list[np.ndarray]]
     ) -> list[bool]:
+        """One KV.MRESERVE for the pages (per batch of at most BATCH_CHUNKS / BATCH_BYTES),
+        each page's buffers gathered into its slot, one KV.COMMIT. A page stored already is
+        True, one another writer is storing right now False."""
         ok: list[bool] = []
-        for i, (h, bufs) in enumerate(zip(hashes, pages, strict=True)):
+        sizes = [sum(b.nbytes for b in bufs) for bufs in pages]
+        for part in batch_slices(sizes):
+            link = parent if part.start == 0 else hashes[part.start - 1]
             try:
-                slot = self.client.reserve(
-                    self.namespace, h, parent, sum(b.nbytes for b in bufs), ttl_ms=self.ttl_ms
-                )
-            except CommandError as e:
-                if "already exists" not in str(e):
-                    self._failed("batch_set_v1", e)
-                ok.append("already exists" in str(e))
+                with self.client.reserve_chain(self.namespace, link, hashes[part], sizes[part],
+                                               ttl_ms=self.ttl_ms) as batch:  # fmt: skip
+                    for i in batch.reserved:
+                        gather(pages[part.start + i], batch.array(i))
+            except RegionMapError:
+                self.zero_copy = False  # the server is on another host: bytes over TCP
+                rest = [np.concatenate(p) for p in pages[part.start :]]
+                return ok + self._put_chain(hashes[part.start :], link, rest)
             except _IO_ERRORS as e:
                 self._failed("batch_set_v1", e)
-                return ok + [False] * (len(hashes) - i)
-            else:
-                try:
-                    with slot:  # aborted if the slot cannot be mapped
-                        gather(bufs, slot.array())
-                except RegionMapError:
-                    self.zero_copy = False  # the server is on another host: bytes over TCP
-                    rest = [np.concatenate(p) for p in pages[i:]]
-                    return ok + self._put_chain(hashes[i:], parent, rest)
-                ok.append(True)
-            parent = h
+                return ok + [False] * (len(hashes) - part.start)
+            ok += [state != "busy" for state in batch.states]
         return ok
 
     # -- housekeeping --------------------------------------------------------------------------

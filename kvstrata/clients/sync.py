@@ -22,14 +22,24 @@ from urllib.parse import unquote, urlparse
 
 from kvstrata.clients import commands as cmd
 from kvstrata.clients.commands import Call, HashLike
-from kvstrata.clients.connection import ConnectionPool, ConnectionSettings
-from kvstrata.clients.handles import lease_tier
-from kvstrata.clients.leases import Fence, LeaseBase, WriteLeaseBase, run_fence
+from kvstrata.clients.connection import ConnectionPool, ConnectionSettings, SyncConnection
+from kvstrata.clients.handles import RegionMapError, lease_tier
+from kvstrata.clients.leases import (
+    Fence,
+    LeaseBase,
+    WriteBatchBase,
+    WriteLeaseBase,
+    batch_slices,
+    put_states,
+    run_fence,
+)
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
+from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, RegionInfo
+from kvstrata.protocol.errors import RespError
 
-__all__ = ["Client", "Lease", "Pipeline", "WriteLease", "settings_from_url"]
+__all__ = ["Client", "Lease", "Pipeline", "WriteBatch", "WriteLease", "settings_from_url"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -129,6 +139,90 @@ class WriteLease(WriteLeaseBase):
             self.abort()
 
 
+class WriteBatch(WriteBatchBase):
+    """Reserved slots of a chain (see :class:`~kvstrata.clients.leases.WriteBatchBase`);
+    ``with`` commits them all on success and aborts them all on an exception."""
+
+    __slots__ = ("_client", "_read", "_stream")
+
+    def __init__(self, client: Client, *args: Any) -> None:
+        super().__init__(*args)
+        self._client = client
+        self._stream: SyncConnection | None = None
+        self._read = 0  # replies of published groups read so far
+
+    def publish(self, *indexes: int) -> None:
+        """Publish chunks now without waiting for the server: ``KV.COMMIT lease i…`` goes out
+        on a connection this batch keeps until :meth:`commit`/:meth:`abort`, which read the
+        replies. The server checksums and publishes them while this thread fills the next
+        slots. Call it once their slots are completely written."""
+        if self.done:
+            raise RuntimeError("this write batch is already committed or aborted")
+        self._check_unpublished(indexes)
+        _wait(self.fence(), strict=True)  # queued GPU writes into the slots come first
+        if self._stream is None:
+            self._stream = self._client.pool.acquire()
+        self._stream.send([("KV.COMMIT", self.lease_id, *indexes)])
+        self.published.append(indexes)
+
+    def _collect(self) -> Exception | None:
+        """Read the replies of the chunks published so far; the first error among them."""
+        conn, self._stream = self._stream, None
+        if conn is None:
+            return None
+        try:
+            replies = conn.receive(len(self.published) - self._read)
+        except Exception as exc:
+            return exc
+        finally:
+            self._read = len(self.published)
+            self._client.pool.release(conn)
+        return next((r for r in replies if isinstance(r, RespError)), None)
+
+    def commit(self) -> None:
+        """Publish every chunk not published yet (one ``KV.COMMIT``) and check that the
+        published ones were; a failure raises and aborts what is left."""
+        if self.done:
+            raise RuntimeError("this write batch is already committed or aborted")
+        try:  # the server checksums the slots: the engine's writes must be done
+            _wait(self.fence(), strict=True)
+        except Exception:
+            self.abort()  # never publish bytes not known to be complete
+            raise
+        self.done = True
+        error = self._collect()
+        if error is not None:
+            if self.unpublished():
+                try:  # do not leave the rest reserved until the TTL
+                    self._client.abort(self._lease())
+                except (OSError, RespError):
+                    pass  # the lease is gone already (expired, server restarted)
+            raise error
+        if self.unpublished():
+            self._client.commit(self._lease())
+
+    def abort(self) -> None:
+        """Discard the chunks not published yet (those published stay stored)."""
+        if not self.done:
+            _wait(self.fence())  # a queued write must not land in a slot's next tenant
+            self.done = True
+            self._collect()
+            if self.unpublished():
+                self._client.abort(self._lease())
+
+    def __enter__(self) -> WriteBatch:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if et is None:
+            if not self.done:
+                self.commit()
+        else:
+            self.abort()
+
+
 class Pipeline(PipelineBase):
     """Commands queued on one connection and sent in one write; ``execute()`` returns results."""
 
@@ -160,6 +254,9 @@ class Client:
         self.pool = ConnectionPool(self.settings, max_connections)
         self._regions: dict[str, RegionInfo] = {}
         self._regions_generation = -1
+        #: False once the server's arena proved unreachable from here (``put_chain`` then
+        #: sends bytes over the socket)
+        self.shared_memory = True
         self.pool.release(self.pool.acquire())  # connect now: fail fast on a wrong address
 
     @classmethod
@@ -246,6 +343,69 @@ class Client:
         except BaseException:
             self.abort(grant.lease_id)  # free the reserved slot now, not at the TTL
             raise
+
+    def reserve_chain(
+        self,
+        ns: str,
+        parent: HashLike | None,
+        hashes: Sequence[HashLike],
+        sizes: Sequence[int],
+        tokens: int = 0,
+        ttl_ms: int | None = None,
+        tier: str | None = None,
+    ) -> WriteBatch:
+        """Reserve invisible slots for the chain ``hashes`` (the first linked to ``parent``)
+        in one round trip (``KV.MRESERVE``); committing publishes them all in one more. Chunks
+        stored already or being written elsewhere get no slot (``states``)."""
+        grant = self._run(cmd.mreserve(ns, parent, hashes, sizes, tokens, ttl_ms, tier))
+        try:
+            regions = self._regions_for([h for h in grant.handles if h is not None])
+            keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
+            return WriteBatch(self, ns, keys, grant, regions)
+        except BaseException:
+            if grant.lease_id is not None:
+                self.abort(grant.lease_id)  # free the reserved slots now, not at the TTL
+            raise
+
+    def put_chain(
+        self,
+        ns: str,
+        hashes: Sequence[HashLike],
+        payloads: Sequence[Any],
+        parent: HashLike | None = None,
+        tokens: int = 0,
+    ) -> list[str]:
+        """Store the chain ``hashes`` (the first linked to ``parent``), skipping chunks stored
+        already. On the server's host: ``KV.MRESERVE``, one copy per chunk into its slot,
+        ``KV.COMMIT`` (per batch of at most ``BATCH_CHUNKS`` chunks / ``BATCH_BYTES``); else
+        (or once the arena proved unreachable) one pipelined write of ``KV.PUT … NX``. Per
+        chunk: ``"stored"``, ``"exists"`` or ``"busy"`` (another client is writing it)."""
+        if len(payloads) != len(hashes):
+            raise ValueError("put_chain needs one payload per hash")
+        srcs = [as_bytes_view(p) for p in payloads]
+        out: list[str] = []
+        for part in batch_slices([len(b) for b in srcs]):
+            link = parent if part.start == 0 else hashes[part.start - 1]
+            out += self._put_batch(ns, hashes[part], srcs[part], link, tokens)
+        return out
+
+    def _put_batch(
+        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
+    ) -> list[str]:
+        if self.shared_memory:
+            sizes = [len(b) for b in srcs]
+            try:
+                with self.reserve_chain(ns, parent, hashes, sizes, tokens, tier="dram") as batch:
+                    for i in batch.reserved:
+                        batch.write(i, srcs[i])
+                return put_states(batch.states)
+            except RegionMapError:
+                self.shared_memory = False  # the server is on another host: bytes over TCP
+        with self.pipeline() as p:
+            for h, src in zip(hashes, srcs, strict=True):
+                p.put(ns, h, parent, src, tokens=tokens, nx=True)
+                parent = h
+            return ["stored" if ok else "exists" for ok in p.execute()]
 
     commit = _command(cmd.commit)
     abort = _command(cmd.abort)

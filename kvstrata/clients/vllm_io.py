@@ -5,10 +5,12 @@ scheduler process copies with the CPU), then one memcpy per chunk from the lease
 its primary row, and ``KV.RELEASE``. Chunks the lease did not cover (a gap in the chain), or
 every chunk when the lease is refused (``-OOM``: no room to promote into the arena) or the arena
 cannot be mapped here (server on another host), come with one ``KV.MGET`` received in place
-into the primary rows. Stores: ``KV.RESERVE`` (one memcpy from the
-row into the reserved slot) and ``KV.COMMIT`` per chunk; ``KV.PUT`` of the row (sent from the row
-itself, no copy) when the arena cannot be mapped. Each load reports, per chunk, whether its row
-now holds the chunk's exact bytes; a failure raises and leaves that per-chunk record behind.
+into the primary rows. Stores: the job's chunks are cut into chains (each chunk's parent the
+one before it, same tokens), each chain reserved in one ``KV.MRESERVE`` (at most
+``BATCH_CHUNKS`` chunks / ``BATCH_BYTES``), one memcpy per row into its slot, one ``KV.COMMIT``;
+``KV.PUT`` of each row (sent from the row itself, no copy) when the arena cannot be mapped.
+Each load reports, per chunk, whether its row now holds the chunk's exact bytes; a failure
+raises and leaves that per-chunk record behind.
 
 Nothing here imports vLLM. The client is made on first use and kept; its pool reconnects by
 itself after a server restart (a new connection also re-reads the server's regions).
@@ -24,10 +26,11 @@ from typing import Literal
 import numpy as np
 
 from kvstrata.clients.handles import RegionMapError
+from kvstrata.clients.leases import batch_slices
 from kvstrata.clients.sync import Client
-from kvstrata.protocol.errors import BusyError, CommandError, RespError
+from kvstrata.protocol.errors import CommandError, RespError
 
-__all__ = ["ChunkMover", "LoadMode", "StoreItem", "rows_of"]
+__all__ = ["ChunkMover", "LoadMode", "StoreItem", "chains_of", "rows_of"]
 
 LoadMode = Literal["auto", "lease", "mget"]
 
@@ -151,38 +154,39 @@ class ChunkMover:
         first failure (server down, ``-OOM`` …); chunks committed before it stay."""
         client = self.client()
         written = 0
-        for item in items:
-            written += self._store_one(client, item)
+        for chain in chains_of(items):
+            for part in batch_slices([self.row_bytes] * len(chain)):
+                written += self._store_chain(client, chain[part])
         return written
 
-    def _store_one(self, client: Client, item: StoreItem) -> int:
-        src = self.rows[item.row]
-        if not self.shared_memory:
-            return int(bool(client.put(self.namespace, item.hash, item.parent, src,
-                                       tokens=item.tokens, nx=True)))  # fmt: skip
-        try:
-            lease = client.reserve(
-                self.namespace, item.hash, item.parent, src.nbytes, tokens=item.tokens
-            )
-        except BusyError:
-            return 0  # another instance is writing the same chunk right now
-        except CommandError as exc:
-            if "already exists" in str(exc):
-                return 0  # stored before (by this or another instance): nothing to do
-            raise
-        try:
-            slot = lease.array()
-        except RegionMapError as exc:
-            lease.abort()
-            self._arena_unreachable(exc)
-            return self._store_one(client, item)
-        except BaseException:
-            lease.abort()
-            raise
-        try:
-            slot[:] = src  # the one copy
-        except BaseException:
-            lease.abort()
-            raise
-        lease.commit()
-        return 1
+    def _store_chain(self, client: Client, chain: Sequence[StoreItem]) -> int:
+        if self.shared_memory:
+            sizes = [self.row_bytes] * len(chain)
+            hashes = [item.hash for item in chain]
+            try:
+                with client.reserve_chain(self.namespace, chain[0].parent, hashes, sizes,
+                                          tokens=chain[0].tokens) as batch:  # fmt: skip
+                    for i in batch.reserved:
+                        np.copyto(batch.array(i), self.rows[chain[i].row])  # the one copy
+                return len(batch.reserved)  # stored before, or being written elsewhere: 0
+            except RegionMapError as exc:
+                self._arena_unreachable(exc)
+        written = 0
+        for item in chain:
+            src = self.rows[item.row]
+            written += bool(client.put(self.namespace, item.hash, item.parent, src,
+                                       tokens=item.tokens, nx=True))  # fmt: skip
+        return written
+
+
+def chains_of(items: Sequence[StoreItem]) -> list[list[StoreItem]]:
+    """Consecutive items cut where an item's parent is not the item before it, or its token
+    count differs (KV.MRESERVE links each chunk to the previous one, with one TOKENS)."""
+    chains: list[list[StoreItem]] = []
+    for item in items:
+        last = chains[-1][-1] if chains else None
+        if last is not None and item.parent == last.hash and item.tokens == last.tokens:
+            chains[-1].append(item)
+        else:
+            chains.append([item])
+    return chains

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvstrata.protocol.errors import LeaseLimitError
-from kvstrata.store.leases import Holder, Lease, ReadLease
+from kvstrata.store.leases import Holder, Lease, WriteLease
 from kvstrata.tiers.arena import ArenaTier
 from kvstrata.tiers.base import Handle
 
@@ -90,7 +90,7 @@ class FenceTable:
         holder is still connected (True), else nothing to do (False)."""
         if not lease.holder.alive():
             return False
-        handles = lease.handles if isinstance(lease, ReadLease) else (lease.handle,)
+        handles = (lease.handle,) if isinstance(lease, WriteLease) else lease.handles
         self.add(
             lease.id, lease.holder, [FencedSlot(tier_of(h), h.offset, h.length) for h in handles]
         )

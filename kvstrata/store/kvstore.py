@@ -26,6 +26,14 @@ from kvstrata.protocol.errors import CommandError
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace, now_ms
+from kvstrata.store.kvstore_batch import (
+    BatchItem,
+    BatchReservation,
+    check_batch,
+    commit_batch,
+    reserve_batch,
+    take_chunks,
+)
 from kvstrata.store.kvstore_build import build_tiers, status_of
 from kvstrata.store.kvstore_gpu import GpuPath
 from kvstrata.store.kvstore_persist import SaveReport, save_to_disk
@@ -200,8 +208,32 @@ class KVStore:
         self.state.admit_lease(holder)
         return await self.writes.reserve(ns, hash, parent, nbytes, tokens, ttl, tier, holder)
 
-    async def commit(self, lease_id: str) -> None:
-        await self.writes.commit(lease_id)
+    async def reserve_batch(
+        self, ns: str, parent: bytes, items: Sequence[BatchItem], tokens: int = 0,
+        ttl_ms: int | None = None, tier: str | None = None, holder: Holder = NO_HOLDER,
+    ) -> BatchReservation:  # fmt: skip
+        """KV.MRESERVE: slots for the chunks of a chain under one lease (``kvstore_batch``)."""
+        ttl = self.config.lease_ttl if ttl_ms is None else ttl_ms
+        check_batch(items, parent, self.writes.slot_limit(tier))  # before LEASELIMIT
+        link = parent
+        for item in items:
+            self.check_link(ns, item.hash, link)
+            link = item.hash
+        self.state.admit_lease(holder)
+        return await reserve_batch(self.writes, ns, parent, items, tokens, ttl, tier, holder)
+
+    async def commit(self, lease_id: str, indexes: Sequence[int] = ()) -> None:
+        """KV.COMMIT of a KV.RESERVE or a KV.MRESERVE lease; with ``indexes``, only those
+        chunks of a KV.MRESERVE lease (by request position)."""
+        if indexes:
+            _, chunks = take_chunks(self.writes, lease_id, indexes)
+            await commit_batch(self.writes, chunks)
+            return
+        lease = self.writes.take_write_lease(lease_id, "KV.COMMIT")
+        if isinstance(lease, WriteLease):
+            await self.writes.commit(lease)
+        else:
+            await commit_batch(self.writes, lease.chunks)
 
     def abort(self, lease_id: str) -> None:
         self.writes.abort(lease_id)

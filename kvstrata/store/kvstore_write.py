@@ -23,7 +23,14 @@ from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.keyspace import now_ms
 from kvstrata.store.kvstore_gpu import GpuPath, GpuSink
 from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_internal, is_shared
-from kvstrata.store.leases import NO_HOLDER, Holder, WriteLease, deadline_after
+from kvstrata.store.leases import (
+    NO_HOLDER,
+    BatchWriteLease,
+    Holder,
+    ReadLease,
+    WriteLease,
+    deadline_after,
+)
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import Buffer, Handle, TierError, TierFull
 from kvstrata.tiers.checksum import checksum
@@ -336,16 +343,7 @@ class WritePath:
         """A write lease on a fresh slot: in DRAM by default, in the GPU pool with ``tier``
         ``gpu`` (in DRAM when the pool has no room); raises CommandError/BusyError/OOM."""
         state = self.state
-        dram = state.dram
-        if dram is None:
-            raise CommandError("KV.RESERVE needs a dram tier")
-        if tier not in (None, "dram", "gpu"):
-            raise CommandError(f"invalid TIER '{tier}': must be gpu or dram")
-        if tier == "gpu" and (state.gpu is None or self.gpu is None):
-            raise CommandError("TIER gpu: this server has no gpu tier (INFO tiers: gpu_status)")
-        limit = dram.capacity
-        if tier == "gpu" and state.gpu is not None:
-            limit = max(limit, state.gpu.capacity)
+        limit = self.slot_limit(tier)
         if not 0 < nbytes <= limit:
             raise CommandError(f"invalid nbytes: must be 1 to {limit} (the tier's size)")
         key = ChunkKey(ns, hash)
@@ -354,7 +352,7 @@ class WritePath:
         if not state.claim(key):
             raise BusyError(f"chunk {key.hex} is being written or freed by another client")
         try:
-            slot = await self._reserve_slot(key, nbytes, tier == "gpu")
+            slot = await self.reserve_slot(key, nbytes, tier == "gpu")
         except BaseException:
             state.release_claim(key)
             raise
@@ -376,7 +374,23 @@ class WritePath:
         state.leases.add(lease)
         return lease
 
-    async def _reserve_slot(
+    def slot_limit(self, tier: str | None) -> int:
+        """The largest slot KV.RESERVE/KV.MRESERVE can make in ``tier``; raises CommandError
+        for a tier this server does not have."""
+        state = self.state
+        dram = state.dram
+        if dram is None:
+            raise CommandError("KV.RESERVE needs a dram tier")
+        if tier not in (None, "dram", "gpu"):
+            raise CommandError(f"invalid TIER '{tier}': must be gpu or dram")
+        if tier == "gpu" and (state.gpu is None or self.gpu is None):
+            raise CommandError("TIER gpu: this server has no gpu tier (INFO tiers: gpu_status)")
+        limit = dram.capacity
+        if tier == "gpu" and state.gpu is not None:
+            limit = max(limit, state.gpu.capacity)
+        return limit
+
+    async def reserve_slot(
         self, key: ChunkKey, nbytes: int, in_gpu: bool
     ) -> tuple[StoreSink | GpuSink, Handle] | None:
         if in_gpu and self.gpu is not None:
@@ -390,23 +404,31 @@ class WritePath:
         assert dram is not None
         return StoreSink(self.state, key, view), dram.reserved_handle(key)
 
-    def _take_write_lease(self, lease_id: str, verb: str) -> WriteLease:
+    def find_write_lease(self, lease_id: str, verb: str) -> WriteLease | BatchWriteLease:
+        """A live write lease (of KV.RESERVE or KV.MRESERVE) for ``verb``, left in the table;
+        an expired one is ended and refused, like an unknown or a read lease."""
         leases = self.state.leases
         lease = leases.get(lease_id)
         if lease is None:
             if self.state.fences.end(lease_id):  # the late writer is done with its slot
                 raise LeaseError(f"lease {lease_id} expired: nothing was committed")
             raise LeaseError(f"no such lease {lease_id!r} (unknown, ended or expired)")
-        if not isinstance(lease, WriteLease):
+        if isinstance(lease, ReadLease):
             raise LeaseError(f"lease {lease_id} is a read lease; {verb} needs a KV.RESERVE lease")
-        leases.pop(lease_id)
         if leases.is_expired(lease):
-            lease.sink.abort()
+            leases.pop(lease_id)
+            self.end_write_lease(lease)
             raise LeaseError(f"lease {lease_id} expired")
         return lease
 
-    async def commit(self, lease_id: str) -> None:
-        lease = self._take_write_lease(lease_id, "KV.COMMIT")
+    def take_write_lease(self, lease_id: str, verb: str) -> WriteLease | BatchWriteLease:
+        """:meth:`find_write_lease`, removed from the table."""
+        lease = self.find_write_lease(lease_id, verb)
+        self.state.leases.pop(lease_id)
+        return lease
+
+    async def commit(self, lease: WriteLease) -> None:
+        """Publish the slot of a lease taken with :meth:`take_write_lease`."""
         sink: StoreSink | GpuSink = lease.sink
         sink.consume()
         try:
@@ -419,10 +441,14 @@ class WritePath:
             sink.abort()
 
     def abort(self, lease_id: str) -> None:
-        self._take_write_lease(lease_id, "KV.ABORT").sink.abort()
+        self.end_write_lease(self.take_write_lease(lease_id, "KV.ABORT"))
 
-    def end_write_lease(self, lease: WriteLease) -> None:
-        lease.sink.abort()
+    def end_write_lease(self, lease: WriteLease | BatchWriteLease) -> None:
+        if isinstance(lease, WriteLease):
+            lease.sink.abort()
+        else:
+            for chunk in lease.chunks:
+                chunk.sink.abort()
 
 
 def _check_sink(sink: Any, key: ChunkKey) -> None:

@@ -5,6 +5,9 @@
   freed until the lease ends.
 - A **write lease** (``KV.RESERVE``) owns one reserved, invisible DRAM slot (a payload sink)
   until ``KV.COMMIT`` publishes it or ``KV.ABORT`` frees it.
+- A **batch write lease** (``KV.MRESERVE``) owns the slots of several chunks of one chain;
+  ``KV.COMMIT`` publishes them all (in chain order) or the ones it names, ``KV.ABORT`` or
+  expiry frees the rest.
 
 Every lease has a deadline. :func:`run_sweeper` (one asyncio task per store) ends expired leases
 every ``interval`` seconds through a callback, so a crashed client leaks nothing. Lease ids are
@@ -85,7 +88,46 @@ class WriteLease:
     kind = "write"
 
 
-Lease = ReadLease | WriteLease
+@dataclass(frozen=True, slots=True)
+class ReservedChunk:
+    """One slot of a batch write lease: ``key``'s reserved ``size`` bytes behind ``handle``;
+    ``index`` is the chunk's position in the KV.MRESERVE request."""
+
+    index: int
+    key: ChunkKey
+    parent: bytes
+    tokens: int
+    size: int
+    handle: Handle
+    sink: Any  # a StoreSink or GpuSink, as in WriteLease
+
+
+@dataclass(frozen=True, slots=True)
+class BatchWriteLease:
+    """Owns the reserved slots ``pending`` (by request position, in chain order) until each is
+    committed or the rest aborted; the lease ends when none is left."""
+
+    id: str
+    pending: dict[int, ReservedChunk]
+    deadline: float
+    holder: Holder = NO_HOLDER
+
+    kind = "write"
+
+    @property
+    def chunks(self) -> tuple[ReservedChunk, ...]:
+        return tuple(self.pending.values())
+
+    @property
+    def handles(self) -> tuple[Handle, ...]:
+        return tuple(c.handle for c in self.pending.values())
+
+    @property
+    def size(self) -> int:
+        return sum(c.size for c in self.pending.values())
+
+
+Lease = ReadLease | WriteLease | BatchWriteLease
 
 
 def deadline_after(ttl_ms: int, clock: Callable[[], float] = time.monotonic) -> float:

@@ -91,6 +91,10 @@ class Placement:
         # a million records of chunks only there: s3-max-remote-records)
         self.heaps = {t.name: LruHeap(t.name) for t in state.tiers if not is_shared(t)}
         self._kick = asyncio.Event()
+        #: eviction rounds whose victims were picked and are still moving (they hold the only
+        #: leaves of their chains until they end); ``_evicted`` is set when one ends
+        self.evicting = 0
+        self._evicted = asyncio.Event()
         #: writers waiting for DRAM room, first come first served
         self.room = RoomQueue(self, self._room_limits)
         #: bytes being promoted into each tier: reserved there, not committed (``above_high``)
@@ -178,8 +182,22 @@ class Placement:
         victims = self.pick(i, max(1, need))
         if not victims:
             return False
-        results = await asyncio.gather(*(self.move_down(r, i) for r in victims))
+        self.evicting += 1
+        try:
+            results = await asyncio.gather(*(self.move_down(r, i) for r in victims))
+        finally:
+            self.evicting -= 1
+            self._evicted.set()
+            self._evicted = asyncio.Event()
         return any(results)
+
+    async def eviction_ended(self) -> bool:
+        """Wait until an eviction round in flight ends (room freed, or parents of the moved
+        chunks now leaves to pick); False at once when none is in flight."""
+        if not self.evicting:
+            return False
+        await self._evicted.wait()
+        return True
 
     async def enforce(self, i: int) -> None:
         tier = self.state.tiers[i]

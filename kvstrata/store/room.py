@@ -10,7 +10,9 @@ towards the low watermark ahead of demand.
 
 Bounds: at most ``write-wait-queue`` writers wait (more get ``-OOM``), each at most
 ``write-wait-timeout`` ms (then ``-OOM``); when no victim can leave (everything pinned or
-leased) the head gets None at once (the caller's usual OOM), never an endless wait.
+leased) the head gets None at once (the caller's usual OOM), never an endless wait. When no
+victim is left only because the demoter's moves hold them (a chain's parent becomes a leaf once
+its child is gone), the room maker waits for a move to end and tries again.
 """
 
 from __future__ import annotations
@@ -167,6 +169,8 @@ class RoomQueue:
                 self._fail_head()
                 continue
             if need > 0 and not await placement.evict_round(i, need):
+                if await placement.eviction_ended():
+                    continue  # the demoter's round held the leaves: room or new leaves now
                 self._serve_fitting()
                 if self._waiters and not await placement.evict_round(i, self._waiters[0].nbytes):
                     self._fail_head()  # nothing can leave: the usual OOM, not an endless wait

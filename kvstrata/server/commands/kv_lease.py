@@ -9,6 +9,9 @@ tier (``gpu`` when the server has a GPU tier) and falls back to DRAM per chunk w
 cannot take it, so a lease may mix ``cuda`` and ``shm`` handles; a client without CUDA sends
 ``TIER dram``. KV.RESERVE defaults to ``dram``. In KV.LEASE a hash equal to ``TTL`` or
 ``TIER`` must not be second to last.
+
+KV.MRESERVE reserves the slots of several chunks of one chain under one write lease (see
+``store.kvstore_batch``); KV.COMMIT and KV.ABORT of that lease publish or discard them all.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from operator import contains
 from typing import Any
 
 from kvstrata.protocol.errors import CommandError, LeaseError
-from kvstrata.protocol.frames import OK
+from kvstrata.protocol.frames import OK, Simple
 from kvstrata.server.commands.connection import arg_bytes
 from kvstrata.server.commands.kv import (
     HASH,
@@ -35,6 +38,7 @@ from kvstrata.server.commands.kv import (
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.keys import validate_hash, validate_namespace, validate_parent
+from kvstrata.store.kvstore_batch import BatchItem
 from kvstrata.store.leases import Holder
 
 LEASE_TTL_MAX = 86_400_000
@@ -156,20 +160,90 @@ async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
     return [lease.id, _handle(lease.handle)]
 
 
+def _batch_items(ctx: Ctx, args: Args) -> tuple[list[BatchItem], int]:
+    """The ``count`` (hash, nbytes) pairs from ``args[3]`` on, and where the options start."""
+    limit = ctx.server.config.values["max-chain-chunks"]
+    count = int_option(args[3], "count", 1, 2**31)
+    if count > limit:
+        raise CommandError(f"too many chunks: {count} given, max-chain-chunks is {limit}")
+    end = 4 + 2 * count
+    if len(args) < end:
+        pairs = (len(args) - 4) // 2
+        raise CommandError(f"count is {count} but only {pairs} hash nbytes pairs follow")
+    items = [
+        BatchItem(validate_hash(args[i]), int_option(args[i + 1], "nbytes", 1, 2**62))
+        for i in range(4, end, 2)
+    ]
+    return items, end
+
+
+@command(
+    "KV.MRESERVE",
+    -6,
+    "write denyoom",
+    group="kv",
+    summary="Batched zero-copy write: reserves invisible slots for count chunks of one chain "
+    "(the first linked to parent, each next one to the one before it) under one write lease. "
+    "All-or-nothing for memory: when one slot cannot be made, none is kept. A chunk that is "
+    "stored already or being written by another client gets no slot. KV.COMMIT publishes "
+    "every slot in chain order, KV.ABORT frees them all. TOKENS applies to every chunk.",
+    complexity="O(N) chunks",
+    arguments=(
+        NS,
+        PARENT,
+        Arg("count", "integer"),
+        Arg(
+            "chunk",
+            "block",
+            multiple=True,
+            arguments=(Arg("hash", "string"), Arg("nbytes", "integer")),
+        ),
+        Arg("tokens", "integer", optional=True, token="TOKENS"),
+        TTL,
+        TIER,
+    ),
+    reply="Array: [lease id or null, [entry, ...]], one entry per chunk in order: its slot "
+    "[region, offset, length, instance], or the simple string exists (stored already) or busy "
+    "(another client is writing it); the lease id is null when no chunk got a slot. "
+    "-ERR for a duplicate hash, a count that does not match the pairs or exceeds "
+    "max-chain-chunks, or a batch larger than the tier; -LEASELIMIT past lease-max, "
+    "lease-max-per-client or lease-fence-max; -OOM when a slot cannot be made (nothing is "
+    "reserved then).",
+)
+async def kv_mreserve(ctx: Ctx, args: Args) -> Reply:
+    ns = validate_namespace(args[1])
+    parent = validate_parent(args[2])
+    items, end = _batch_items(ctx, args)
+    opts = parse_options(args, end, {b"TOKENS": tokens_option, b"TTL": _lease_ttl, b"TIER": _tier})
+    res = await store_of(ctx).reserve_batch(
+        ns, parent, items, opts.get(b"TOKENS", 0), opts.get(b"TTL"), opts.get(b"TIER"),
+        holder_of(ctx),
+    )  # fmt: skip
+    entries = [Simple(e.encode()) if isinstance(e, str) else _handle(e) for e in res.entries]
+    return [None if res.lease is None else res.lease.id, entries]
+
+
 @command(
     "KV.COMMIT",
-    2,
+    -2,
     "write",
     group="kv",
-    summary="Publishes a reserved chunk: its checksum is computed over the written bytes (a "
-    "GPU slot is first copied to DRAM), then it becomes visible (and is written to "
-    "write-through tiers).",
-    arguments=(LEASE,),
+    summary="Publishes a reserved chunk (KV.RESERVE) or the chunks of a batch (KV.MRESERVE, in "
+    "chain order): its checksum is computed over the written bytes (a GPU slot is first copied "
+    "to DRAM), then it becomes visible (and is written to write-through tiers). With index "
+    "arguments (positions in the KV.MRESERVE request), only those chunks of the batch are "
+    "published and the others stay reserved, so a writer can publish each chunk as soon as "
+    "it is written; without, every chunk left. The lease ends when no chunk is left.",
+    arguments=(LEASE, Arg("index", "integer", optional=True, multiple=True)),
     reply="Simple string OK; -NOLEASE for an unknown, expired or read lease (an expired lease is "
-    "never committed).",
+    "never committed); -ERR for an index with no reserved slot in the lease, or any index with "
+    "a KV.RESERVE lease. When a chunk of a batch cannot be published, the error names it: the "
+    "chunks named before it are published, it and the rest are discarded.",
 )
 async def kv_commit(ctx: Ctx, args: Args) -> Reply:
-    await store_of(ctx).commit(_lease_id(args[1]))
+    lease_id = _lease_id(args[1])
+    indexes = [int_option(a, "index", 0, 2**31) for a in args[2:]]
+    await store_of(ctx).commit(lease_id, indexes)
     return OK
 
 
@@ -178,7 +252,8 @@ async def kv_commit(ctx: Ctx, args: Args) -> Reply:
     2,
     "write fast",
     group="kv",
-    summary="Discards a reserved chunk and frees its slot.",
+    summary="Discards a reserved chunk (or every chunk of a KV.MRESERVE batch) and frees its "
+    "slot.",
     arguments=(LEASE,),
     reply="Simple string OK; -NOLEASE for an unknown, expired or read lease.",
 )

@@ -1,0 +1,200 @@
+"""Batched zero-copy writes: KV.MRESERVE reserves the slots of several chunks of one chain under
+one write lease; KV.COMMIT of that lease publishes them all, KV.ABORT (or expiry) frees them all.
+
+The batch keeps every guarantee of a single reservation:
+
+- A chunk is visible only after the commit, and each chunk is checksummed and published on its
+  own, in chain order (a parent before its children).
+- Reserving is all-or-nothing for memory: when one slot cannot be made (``-OOM``, the wait for
+  room ran out), the slots already reserved by the command are freed and nothing is leased.
+  A chunk that already exists, or that another client is writing right now, gets no slot and
+  is reported as such (``exists`` / ``busy``): the engine has nothing to write for it.
+- ``KV.COMMIT lease index…`` publishes the chunks it names (at their request positions) and
+  leaves the others reserved, so a writer can publish each chunk as soon as it is written
+  while it fills the next (the server checksums one chunk while the client copies another);
+  ``KV.COMMIT lease`` publishes all that are left, and the lease ends when none is left.
+- Committing stops at the first chunk that cannot be published (a write-through tier failed):
+  the chunks named before it are published, it and the rest of the command's are discarded,
+  and the error says which.
+- The batch is one lease (``lease-max``, ``lease-max-per-client`` count it once); expiry while
+  its holder is still connected fences all its slots, as for a single reservation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstrata.protocol.errors import CommandError, OutOfMemoryError, RespError
+from kvstrata.store.keys import ChunkKey
+from kvstrata.store.kvstore_write import WritePath
+from kvstrata.store.leases import (
+    NO_HOLDER,
+    BatchWriteLease,
+    Holder,
+    ReservedChunk,
+    deadline_after,
+)
+from kvstrata.tiers.base import Handle, TierError
+
+__all__ = [
+    "BUSY",
+    "EXISTS",
+    "BatchItem",
+    "BatchReservation",
+    "commit_batch",
+    "reserve_batch",
+    "take_chunks",
+]
+
+#: Per-chunk outcomes of a reservation that made no slot for the chunk.
+EXISTS = "exists"  # the chunk is stored already
+BUSY = "busy"  # another client is writing (or freeing) it right now
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """One chunk of a KV.MRESERVE: its hash and the size of its slot."""
+
+    hash: bytes
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchReservation:
+    """The lease (None when no chunk needed a slot) and, per requested chunk in order, the
+    handle of its slot or :data:`EXISTS` / :data:`BUSY`."""
+
+    lease: BatchWriteLease | None
+    entries: tuple[Handle | str, ...]
+
+
+def check_batch(items: Sequence[BatchItem], parent: bytes, limit: int) -> None:
+    """Refuse duplicate hashes, a first chunk that is its own parent, and a batch larger than
+    the tier (it could never be reserved whole)."""
+    hashes = {item.hash for item in items}
+    if len(hashes) != len(items):
+        raise CommandError("duplicate hash in the batch: each chunk may appear once")
+    if parent and parent in hashes:
+        raise CommandError("invalid parent: the chain would loop back to a chunk of the batch")
+    total = sum(item.nbytes for item in items)
+    if total > limit:
+        raise CommandError(f"invalid nbytes: the batch needs {total} bytes, the tier has {limit}")
+
+
+async def reserve_batch(
+    writes: WritePath,
+    ns: str,
+    parent: bytes,
+    items: Sequence[BatchItem],
+    tokens: int,
+    ttl_ms: int,
+    tier: str | None = None,
+    holder: Holder = NO_HOLDER,
+) -> BatchReservation:
+    """Reserve a slot for each chunk of the chain ``items`` (the first one's parent is
+    ``parent``, each next one's the one before it) that is neither stored nor being written."""
+    state = writes.state
+    limit = writes.slot_limit(tier)
+    for item in items:
+        if not 0 < item.nbytes <= limit:
+            raise CommandError(f"invalid nbytes: must be 1 to {limit} (the tier's size)")
+    check_batch(items, parent, limit)
+    reserved: list[ReservedChunk] = []
+    entries: list[Handle | str] = []
+    try:
+        for i, item in enumerate(items):
+            key = ChunkKey(ns, item.hash)
+            if state.live(key) is not None:
+                entries.append(EXISTS)
+            elif not state.claim(key):
+                entries.append(BUSY)
+            else:
+                chunk = await _reserve_one(writes, i, key, parent, tokens, item.nbytes, tier)
+                reserved.append(chunk)
+                entries.append(chunk.handle)
+            parent = item.hash
+    except BaseException:
+        for chunk in reserved:
+            chunk.sink.abort()  # frees the slot and the key's claim
+        raise
+    if not reserved:
+        return BatchReservation(None, tuple(entries))
+    lease = BatchWriteLease(
+        id=state.leases.new_id(),
+        pending={c.index: c for c in reserved},
+        deadline=deadline_after(ttl_ms, state.leases.clock),
+        holder=holder,
+    )
+    state.leases.add(lease)
+    return BatchReservation(lease, tuple(entries))
+
+
+async def _reserve_one(
+    writes: WritePath,
+    index: int,
+    key: ChunkKey,
+    parent: bytes,
+    tokens: int,
+    nbytes: int,
+    tier: str | None,
+) -> ReservedChunk:
+    """A slot for ``key``, whose claim the caller took (released here when this fails)."""
+    try:
+        slot = await writes.reserve_slot(key, nbytes, tier == "gpu")
+    except BaseException:
+        writes.state.release_claim(key)
+        raise
+    if slot is None:
+        writes.state.release_claim(key)
+        raise OutOfMemoryError(writes.placement.describe_full(nbytes))
+    sink, handle = slot
+    return ReservedChunk(index, key, parent, tokens, nbytes, handle, sink)
+
+
+def take_chunks(
+    writes: WritePath, lease_id: str, indexes: Sequence[int]
+) -> tuple[BatchWriteLease, list[ReservedChunk]]:
+    """The reserved chunks at request positions ``indexes`` of a live KV.MRESERVE lease, taken
+    out of it (in chain order); the lease leaves the table when none is left."""
+    lease = writes.find_write_lease(lease_id, "KV.COMMIT")
+    if not isinstance(lease, BatchWriteLease):
+        raise CommandError(f"lease {lease_id} is a KV.RESERVE lease: KV.COMMIT takes no index")
+    wanted = sorted(set(indexes))
+    for i in wanted:
+        if i not in lease.pending:
+            raise CommandError(
+                f"chunk {i} has no reserved slot in lease {lease_id} (stored already, busy, "
+                "published already, or no such position)"
+            )
+    chunks = [lease.pending.pop(i) for i in wanted]
+    if not lease.pending:
+        writes.state.leases.pop(lease_id)
+    return lease, chunks
+
+
+async def commit_batch(writes: WritePath, chunks: Sequence[ReservedChunk]) -> None:
+    """Publish ``chunks`` (taken out of their lease) in order; on the first failure the rest
+    are discarded and the error names the chunk."""
+    for chunk in chunks:
+        chunk.sink.consume()
+    try:
+        for i, chunk in enumerate(chunks):
+            try:
+                try:
+                    data = await chunk.sink.host_bytes()  # a GPU slot is copied to the host
+                except TierError as exc:
+                    raise CommandError(f"the reserved slot cannot be read: {exc}") from exc
+                await writes.commit_new(
+                    chunk.key, chunk.parent, chunk.tokens, None, data, chunk.sink
+                )
+            except RespError as exc:
+                where = (
+                    f"KV.COMMIT: chunk {chunk.index} ({chunk.key.hex}) was not published, the "
+                    f"{i} named before it were, it and the {len(chunks) - i - 1} after it were "
+                    f"discarded: {exc.message}"
+                )
+                raise CommandError(where, prefix=exc.prefix) from exc
+    finally:
+        for chunk in chunks:
+            chunk.sink.abort()  # a no-op for the published ones

@@ -1,0 +1,261 @@
+"""The clients' batched writes against a real server on port 0: ``reserve_chain`` (one
+KV.MRESERVE, slots filled in place, one KV.COMMIT), ``put_chain`` (the same, cut into batches;
+KV.PUT over the socket when the arena cannot be mapped), sync and async, and a client kept open
+across a server restart (its old batch is never committed, its new one lands in the new arena).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from kvstrata.clients import AsyncClient, Client, LeaseError
+from kvstrata.clients import handles as client_handles
+from kvstrata.clients.handles import RegionMapError
+from kvstrata.clients.leases import batch_slices
+from tests.conftest import RunningServer, free_port, start_process_server
+from tests.fakes import wait_for
+
+NS = "cbatch@u8@c16"
+
+
+def payload(i: int, n: int = 4096) -> bytes:
+    return bytes([i % 251 + 1]) * n
+
+
+def hashes(n: int, tag: bytes = b"h") -> list[bytes]:
+    return [tag + b"%03d" % i for i in range(n)]
+
+
+def used(srv: RunningServer) -> int:
+    return int(redis.Redis(port=srv.port).info("tiers")["dram_used"])
+
+
+def test_reserve_chain_commits_all_on_success_and_aborts_all_on_error(
+    server: RunningServer,
+) -> None:
+    hs = hashes(3)
+    with Client(port=server.port) as kv:
+        assert kv.put(NS, hs[0], None, payload(0))
+        with kv.reserve_chain(NS, None, hs, [4096, 8, 16], tokens=16) as batch:
+            assert batch.states == ("exists", "reserved", "reserved")
+            assert batch.reserved == [1, 2]
+            with pytest.raises(KeyError, match="exists"):
+                batch.view(0)
+            batch.array(1)[:] = 7
+            batch.write(2, b"x" * 16)
+            with pytest.raises(ValueError, match="do not fit"):
+                batch.write(2, b"y" * 17)
+            assert kv.match(NS, hs) == 1  # invisible until the commit
+        assert batch.done
+        assert kv.match(NS, hs) == 3
+        assert kv.mget(NS, hs[1:]) == [b"\x07" * 8, b"x" * 16]
+        info = kv.info(NS, hs[2])
+        assert info is not None and info["tokens"] == 16
+        with (
+            pytest.raises(RuntimeError, match="boom"),
+            kv.reserve_chain(NS, hs[2], hashes(2, b"g"), [10, 10]) as failing,
+        ):
+            failing.write(0, b"z" * 10)
+            raise RuntimeError("boom")
+        assert kv.match(NS, hashes(2, b"g")) == 0
+        with pytest.raises(LeaseError):
+            kv.commit(failing.lease_id)
+        assert wait_for(lambda: used(server) == 3 * 4096)  # only the three chunks stored
+
+
+def test_all_stored_gives_a_batch_without_lease(server: RunningServer) -> None:
+    hs = hashes(2)
+    with Client(port=server.port) as kv:
+        assert kv.put_chain(NS, hs, [payload(0), payload(1)]) == ["stored", "stored"]
+        with kv.reserve_chain(NS, None, hs, [4096, 4096]) as batch:
+            assert batch.lease_id is None and batch.reserved == [] and batch.done
+        assert kv.put_chain(NS, hs, [payload(0), payload(1)]) == ["exists", "exists"]
+
+
+def test_put_chain_cuts_long_chains_and_links_them(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With batches of at most 3 chunks, a chain of 8 goes in three KV.MRESERVE; the links
+    cross batch borders and the parent of the first chunk is kept."""
+    import kvstrata.clients.sync as sync_mod
+
+    monkeypatch.setattr(sync_mod, "batch_slices", lambda sizes: batch_slices(sizes, 3))
+    sent: list[int] = []
+    with Client(port=server.port) as kv:
+        real = kv.reserve_chain
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            sent.append(len(args[2]))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(kv, "reserve_chain", counting)
+        kv.put(NS, b"root", None, b"r")
+        hs = hashes(8)
+        data = [np.full(1000 + i, i, np.uint8) for i in range(8)]
+        assert kv.put_chain(NS, hs, data, parent=b"root", tokens=16) == ["stored"] * 8
+        assert sent == [3, 3, 2]
+        assert kv.match(NS, [b"root", *hs]) == 9
+        assert kv.mget(NS, hs) == [d.tobytes() for d in data]
+
+
+def test_batch_slices() -> None:
+    assert batch_slices([]) == []
+    assert batch_slices([5] * 5, max_chunks=2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert batch_slices([4, 4, 9, 1], max_bytes=8) == [slice(0, 2), slice(2, 3), slice(3, 4)]
+
+
+def test_put_chain_falls_back_to_tcp_when_the_arena_cannot_be_mapped(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server on another host: mapping its region fails; the batch is aborted (no slot
+    left), the chain goes over the socket, and the client stops trying shared memory."""
+
+    def unmappable(region: Any) -> Any:
+        raise RegionMapError("not on this host")
+
+    monkeypatch.setattr(client_handles, "map_shm", unmappable)
+    monkeypatch.setattr(client_handles, "_shm", {})
+    hs = hashes(3)
+    with Client(port=server.port) as kv:
+        states = kv.put_chain(NS, hs, [payload(i) for i in range(3)])
+        assert states == ["stored"] * 3 and not kv.shared_memory
+        assert kv.mget(NS, hs) == [payload(i) for i in range(3)]
+        assert wait_for(lambda: used(server) == 3 * 4096)  # the aborted slots are free
+        assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
+
+
+def test_async_reserve_chain_and_put_chain(server: RunningServer) -> None:
+    async def main() -> None:
+        async with AsyncClient(port=server.port) as kv:
+            hs = hashes(4)
+            assert await kv.put_chain(NS, hs[:2], [payload(0), payload(1)]) == ["stored"] * 2
+            batch = await kv.reserve_chain(NS, hs[1], hs[2:], [10, 20])
+            async with batch:
+                batch.write(0, b"a" * 10)
+                batch.array(1)[:] = 2
+            assert await kv.match(NS, hs) == 4
+            assert await kv.mget(NS, hs[2:]) == [b"a" * 10, b"\x02" * 20]
+            failing = await kv.reserve_chain(NS, hs[3], [b"z"], [5])
+            with pytest.raises(RuntimeError):
+                async with failing:
+                    raise RuntimeError("boom")
+            assert await kv.get(NS, b"z") is None
+
+    asyncio.run(main())
+
+
+def test_a_client_across_a_restart_never_commits_the_old_batch(
+    tmp_path: Path, make_process_server: Callable[..., RunningServer]
+) -> None:
+    """Scenario: a client reserves a batch, the server is stopped (SIGKILL) and started again
+    on the same port before the commit. The commit is refused (-NOLEASE: the new server never
+    made that lease) and nothing of the batch is visible; the client's next batch is reserved
+    in the new instance's arena (its handles name that instance) and reads back exactly."""
+    port = free_port()
+    flags: dict[str, Any] = {"port": port, "nvme_capacity": "0", "dram_capacity": "8MiB"}
+    first = start_process_server(tmp_path / "a", **flags)
+    kv = Client(port=port)
+    try:
+        old = kv.reserve_chain(NS, None, hashes(2), [4096, 4096])
+        old.write(0, payload(9))
+        old_instance = kv.regions(refresh=False)[0].instance
+        assert first.process is not None
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(15)
+        second = make_process_server(data_dir=tmp_path / "b", **flags)
+        assert second.port == port
+        deadline_ok = wait_for(lambda: _reconnects(kv))
+        assert deadline_ok
+        with pytest.raises(LeaseError):
+            old.commit()
+        assert kv.match(NS, hashes(2)) == 0
+        assert kv.put_chain(NS, hashes(2, b"n"), [payload(1), payload(2)]) == ["stored"] * 2
+        with kv.reserve_chain(NS, b"n001", [b"n002"], [4096]) as batch:
+            batch.write(0, payload(3))
+            [handle] = [h for h in batch.grant.handles if h is not None]
+        [region] = kv.regions(refresh=False)
+        assert region.instance != old_instance and handle.instance == region.instance
+        assert kv.mget(NS, [b"n000", b"n001", b"n002"]) == [payload(1), payload(2), payload(3)]
+    finally:
+        kv.close()
+        first.stop()
+
+
+def _reconnects(kv: Client) -> bool:
+    try:
+        return kv.ping()
+    except OSError:
+        return False
+
+
+def test_publish_sends_each_chunk_without_waiting_and_commit_collects(
+    server: RunningServer,
+) -> None:
+    """``publish(i)`` makes chunk i visible (once its reply is read at commit) while the rest
+    are still being written; commit publishes what is left; an exception after a publish
+    aborts only the chunks not published; publishing twice or a chunk without slot raises."""
+    hs = hashes(4)
+    with Client(port=server.port) as kv:
+        with kv.reserve_chain(NS, None, hs, [100] * 4) as batch:
+            batch.write(0, b"a" * 100)
+            batch.publish(0)
+            batch.write(1, b"b" * 100)
+            batch.publish(1)
+            with pytest.raises(ValueError, match="published already"):
+                batch.publish(1)
+            batch.write(2, b"c" * 100)
+            with pytest.raises(ValueError, match="published already"):
+                batch.publish(2, 1)
+            batch.write(3, b"d" * 100)
+        assert batch.published == [(0,), (1,)] and batch.unpublished() == [2, 3] and batch.done
+        assert kv.mget(NS, hs) == [b"a" * 100, b"b" * 100, b"c" * 100, b"d" * 100]
+        more = hashes(3, b"m")
+        with pytest.raises(RuntimeError, match="boom"), kv.reserve_chain(
+            NS, hs[3], more, [10] * 3
+        ) as failing:
+            failing.write(0, b"x" * 10)
+            failing.publish(0)
+            raise RuntimeError("boom")
+        assert kv.mget(NS, more) == [b"x" * 10, None, None]
+        assert kv.match(NS, [*hs, *more]) == 5
+        with kv.reserve_chain(NS, None, [hs[0], b"z"], [100, 5]) as partial:
+            with pytest.raises(KeyError, match="exists"):
+                partial.publish(0)
+            partial.write(1, b"z" * 5)
+        assert kv.get(NS, b"z") == b"z" * 5
+        assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
+
+
+def test_async_publish(server: RunningServer) -> None:
+    async def main() -> None:
+        async with AsyncClient(port=server.port) as kv:
+            hs = hashes(3)
+            batch = await kv.reserve_chain(NS, None, hs, [8, 8, 8])
+            async with batch:
+                for i in batch.reserved:
+                    batch.write(i, bytes([65 + i]) * 8)
+                    if i < 2:
+                        await batch.publish(i)
+            assert await kv.mget(NS, hs) == [b"A" * 8, b"B" * 8, b"C" * 8]
+
+    asyncio.run(main())
+
+
+def test_publish_groups_hand_over_about_publish_bytes() -> None:
+    from kvstrata.clients.leases import PUBLISH_BYTES, PublishGroups
+
+    sent: list[tuple[int, ...]] = []
+    group = PublishGroups(lambda *ix: sent.append(ix))
+    for i in range(5):
+        group.add(i, PUBLISH_BYTES // 2)
+    assert sent == [(0, 1), (2, 3)]  # chunk 4 is left for the final commit
+    group.add(5, PUBLISH_BYTES * 3)
+    assert sent[-1] == (4, 5)
