@@ -11,7 +11,10 @@ each median is taken under the same machine state as its peers:
 - kvstrata's own client: ``pipeline().put`` of new chunks, ``get(out=)`` and ``mget(outs=)``
   into preallocated buffers;
 - raw-socket ``KV.PUT`` (header + payload with ``sendmsg``; what a minimal client gets);
-- redis-server ``SET``/``GET`` through redis-py.
+- redis-server ``SET``/``GET`` through redis-py;
+- with ``--compare CHECKOUT``: the same kvstrata rows against a second server running another
+  checkout's code (e.g. ``/work/main``), driven by this checkout's client, so a change to the
+  server is measured before and after under the same machine state.
 
 Targets (issue 15, DESIGN.md), at 8–32 MiB: kvstrata put/get ≥ 0.8× the loopback limit, get ≥ 2×
 redis GET, put ≥ 1.5× redis SET.
@@ -27,8 +30,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from itertools import count
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _servers import free_port, kvstrata_server, redis_server
@@ -127,7 +132,8 @@ def alternate(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, fl
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def contenders(size: int, n: int, kv: Client, raw: RawPut, r: object, lb: Loopback) -> dict:
+def kv_contenders(size: int, n: int, kv: Client, raw: RawPut, tag: str = "") -> dict:
+    """kvstrata's own client (and a raw KV.PUT) against one server; ``tag`` names the server."""
     payload = os.urandom(size)
     fresh = count()
     stored = [b"g%d-%d" % (size, i) for i in range(n)]
@@ -136,7 +142,8 @@ def contenders(size: int, n: int, kv: Client, raw: RawPut, r: object, lb: Loopba
         pipe.put(NS, h, None, payload)
     pipe.execute()
     outs = [bytearray(size) for _ in range(n)]
-    r.set(b"blob", payload)  # type: ignore[attr-defined]
+    check = kv.get(NS, stored[0], out=outs[0])
+    assert bytes(check) == payload, "kvstrata returned wrong bytes"
 
     def kv_put() -> None:
         p = kv.pipeline()
@@ -155,13 +162,23 @@ def contenders(size: int, n: int, kv: Client, raw: RawPut, r: object, lb: Loopba
         for _ in range(n):
             raw.put(b"r%d" % next(fresh), payload)
 
+    return {
+        f"{tag}kv get(out=)": kv_get, f"{tag}kv mget(outs=)": kv_mget,
+        f"{tag}kv pipeline().put": kv_put, f"{tag}raw KV.PUT": raw_put,
+    }  # fmt: skip
+
+
+def peer_contenders(size: int, n: int, r: Any, lb: Loopback) -> dict:
+    payload = os.urandom(size)
+    r.set(b"blob", payload)
+
     def rd_set() -> None:
         for _ in range(n):
-            r.set(b"blob", payload)  # type: ignore[attr-defined]
+            r.set(b"blob", payload)
 
     def rd_get() -> None:
         for _ in range(n):
-            r.get(b"blob")  # type: ignore[attr-defined]
+            r.get(b"blob")
 
     def lb_get() -> None:
         for _ in range(n):
@@ -171,13 +188,8 @@ def contenders(size: int, n: int, kv: Client, raw: RawPut, r: object, lb: Loopba
         for _ in range(n):
             lb.put()
 
-    check = kv.get(NS, stored[0], out=outs[0])
-    assert bytes(check) == payload, "kvstrata returned wrong bytes"
-    return {
-        "loopback get": lb_get, "kv get(out=)": kv_get, "kv mget(outs=)": kv_mget,
-        "redis GET": rd_get, "loopback put": lb_put, "kv pipeline().put": kv_put,
-        "raw KV.PUT": raw_put, "redis SET": rd_set,
-    }  # fmt: skip
+    return {"loopback get": lb_get, "redis GET": rd_get, "loopback put": lb_put,
+            "redis SET": rd_set}  # fmt: skip
 
 
 def main() -> None:
@@ -187,26 +199,36 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,8,32", help="chunk sizes in MiB")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batch-mib", type=int, default=32, help="bytes moved per call")
+    ap.add_argument("--compare", metavar="CHECKOUT",
+                    help="also run the server of another checkout (e.g. /work/main), driven "
+                         "by this checkout's client, in the same alternation")  # fmt: skip
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     results: dict[int, dict[str, float]] = {}
-    with (
-        redis_server() as rproc,
-        kvstrata_server("--dram-capacity", "1GiB", "--nvme-capacity", "0") as kproc,
-        Client(port=kproc.port) as kv,
-    ):
+    flags = ("--dram-capacity", "1GiB", "--nvme-capacity", "0")
+    with ExitStack() as stack:
+        rproc = stack.enter_context(redis_server())
+        servers = [("", stack.enter_context(kvstrata_server(*flags)))]
+        if args.compare:
+            before = kvstrata_server(*flags, checkout=args.compare)
+            servers.append(("before: ", stack.enter_context(before)))
+        clients = [
+            (tag, stack.enter_context(Client(port=p.port)), RawPut(p.port)) for tag, p in servers
+        ]
         r = redis.Redis(port=rproc.port)
-        raw = RawPut(kproc.port)
+        stack.callback(r.close)
         for mib in sizes:
             size = mib * MiB
             n = max(1, args.batch_mib // mib)
             lb = Loopback(size)
             try:
-                times = alternate(contenders(size, n, kv, raw, r, lb), args.rounds)
+                fns = peer_contenders(size, n, r, lb)
+                for tag, kv, raw in clients:
+                    fns.update(kv_contenders(size, n, kv, raw, tag))
+                times = alternate(fns, args.rounds)
             finally:
                 lb.close()
             results[mib] = {k: n * size / t / 1e9 for k, t in times.items()}
-        r.close()
     report(results, args)
 
 
@@ -214,10 +236,10 @@ def report(results: dict[int, dict[str, float]], args: argparse.Namespace) -> No
     names = list(next(iter(results.values())))
     print(f"\nGB/s, median of {args.rounds} alternating rounds, {args.batch_mib} MiB per call, "
           f"{os.cpu_count()} CPUs, loopback TCP\n")  # fmt: skip
-    print(f"| {'path':<18} | " + " | ".join(f"{m:>6} MiB" for m in results) + " |")
-    print(f"|{'-' * 20}|" + "|".join("-" * 12 for _ in results) + "|")
+    print(f"| {'path':<26} | " + " | ".join(f"{m:>6} MiB" for m in results) + " |")
+    print(f"|{'-' * 28}|" + "|".join("-" * 12 for _ in results) + "|")
     for name in names:
-        print(f"| {name:<18} | " + " | ".join(f"{r[name]:10.2f}" for r in results.values()) + " |")
+        print(f"| {name:<26} | " + " | ".join(f"{r[name]:10.2f}" for r in results.values()) + " |")
     ratios = [
         ("get(out=) / loopback get", "kv get(out=)", "loopback get", 0.8),
         ("mget(outs=) / loopback get", "kv mget(outs=)", "loopback get", 0.8),
@@ -228,14 +250,21 @@ def report(results: dict[int, dict[str, float]], args: argparse.Namespace) -> No
         ("pipeline put / redis SET", "kv pipeline().put", "redis SET", 1.5),
         ("raw KV.PUT / redis SET", "raw KV.PUT", "redis SET", 1.5),
     ]
-    print(f"\n| {'ratio (target)':<34} | " + " | ".join(f"{m:>6} MiB" for m in results) + " |")
-    print(f"|{'-' * 36}|" + "|".join("-" * 12 for _ in results) + "|")
+    if args.compare:
+        ratios += [
+            (f"{name} / before", name, f"before: {name}", 0.0)
+            for name in ("kv get(out=)", "kv mget(outs=)", "kv pipeline().put", "raw KV.PUT")
+        ]
+    print(f"\n| {'ratio (target)':<38} | " + " | ".join(f"{m:>6} MiB" for m in results) + " |")
+    print(f"|{'-' * 40}|" + "|".join("-" * 12 for _ in results) + "|")
     for label, a, b, target in ratios:
         cells = []
         for r in results.values():
             x = r[a] / r[b]
-            cells.append(f"{x:8.2f} {'ok' if x >= target else '--'}")
-        print(f"| {label + f' (>= {target})':<34} | " + " | ".join(cells) + " |")
+            verdict = "  " if not target else "ok" if x >= target else "--"
+            cells.append(f"{x:8.2f} {verdict}")
+        goal = f" (>= {target})" if target else ""
+        print(f"| {label + goal:<38} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
