@@ -67,11 +67,16 @@ def redis_server() -> Iterator[Proc]:
 
 
 @contextmanager
-def kvstrata_server(*extra: str) -> Iterator[Proc]:
+def kvstrata_server(*extra: str, checkout: str | None = None) -> Iterator[Proc]:
+    """``kvstrata serve`` on a free port; ``checkout``: run the code of another checkout
+    (``--compare`` runs of the benches), else whatever ``import kvstrata`` finds here."""
     data = tempfile.mkdtemp(prefix="kvstrata-bench-")
     argv = [sys.executable, "-m", "kvstrata", "serve", "--port", "0", "--data-dir", data,
             "--loglevel", "notice", *extra]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = None if checkout is None else {**os.environ, "PYTHONPATH": checkout}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=checkout
+    )
     assert proc.stdout is not None
     port = 0
     for line in proc.stdout:

@@ -238,6 +238,12 @@ OPTIONS: tuple[Option, ...] = (
     _opt("payload-timeout", 30, _int(0, 86_400),
          "Seconds a half-received command (a payload being uploaded) may make no progress "
          "before its connection is closed and its DRAM slot freed (0 = never).", mutable=True),
+    _opt("loopback-sndbuf", 128 * 1024, parse_size,
+         "Send buffer (SO_SNDBUF, which Linux doubles) of connections from loopback clients: a "
+         "small one keeps the bytes of a large reply in the CPU cache between the server's copy "
+         "and the client's (0 = the kernel's autotuning). Remote clients always get the "
+         "kernel's autotuning, which covers the bandwidth-delay product. New connections.",
+         mutable=True, **_SIZE),
     _opt("max-chain-chunks", 65536, _int(1, 2**31 - 1),
          "Most chunks (hashes) one KV.MATCH/MGET/LEASE/MRESERVE/PREFETCH names or one "
          "KV.MATCHTOKENS produces.", mutable=True),

@@ -9,8 +9,11 @@ explicit stack, so a reply split at any offset is never re-parsed from the start
 Large bulks are not accumulated in the read buffer. When a top-level bulk reply has a caller
 buffer (``out``: a bytearray, memoryview, numpy array or CPU torch tensor) the reader copies what
 is already buffered into it and then hands out the rest of ``out`` itself as the receive buffer,
-so the kernel writes the payload straight into its final place (``recv_into``). Without a caller
-buffer, a bulk of at least ``big`` bytes is received into one preallocated ``bytearray``.
+so the kernel writes the payload straight into its final place (``recv_into``). While a reply
+with an ``out`` is expected, reads into the reader's own buffer are capped at
+:data:`HEADER_READ` bytes, so at most that much of a payload is copied from the read buffer
+into ``out`` (an uncapped read would take up to :data:`READ_BUFFER` bytes of it). Without a
+caller buffer, a bulk of at least ``big`` bytes is received into one preallocated ``bytearray``.
 An ``out`` may also be a list of buffers, one per element of a top-level array (``KV.MGET``).
 
 Value mapping: bulk → ``bytes`` (``bytearray`` when received in place, ``memoryview`` of the
@@ -44,6 +47,7 @@ __all__ = [
 
 BIG_BULK = 64 * 1024  # bulks at least this long are received in place
 READ_BUFFER = 256 * 1024
+HEADER_READ = 4096  # read size while the next bulk may go to a caller's buffer
 MAX_LINE = 64 * 1024
 #: Where the payload of one reply lands: one buffer, one per array element, or nothing.
 OutSpec = Any
@@ -155,9 +159,17 @@ class ReplyReader:
             return target.view[target.filled :]
         if self._pos == self._end:
             self._pos = self._end = 0
-        elif len(self._buf) - self._end < 4096:
+        elif len(self._buf) - self._end < HEADER_READ:
             self._compact()
+        if self._expects_out():
+            return self._view[self._end : self._end + HEADER_READ]
         return self._view[self._end :]
+
+    def _expects_out(self) -> bool:
+        """The next bulk may be received into a caller's buffer."""
+        if not self._stack:
+            return self._out_for_reply() is not None
+        return len(self._stack) == 1 and isinstance(self._out, list | tuple)
 
     def buffer_updated(self, nbytes: int) -> None:
         """``nbytes`` arrived in the buffer last returned by :meth:`get_buffer`."""

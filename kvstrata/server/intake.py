@@ -7,7 +7,9 @@ takes decoded commands from the queue it passes to :meth:`Intake.decode`.
 A bulk argument of :data:`BIG` bytes or more is received in place: ``sink_for(args, nbytes)``
 (the command's payload sink, e.g. an arena slot for ``KV.PUT``) gives its destination, the bytes
 already buffered are copied there once, and ``get_buffer`` then returns the rest of the
-destination so the kernel writes the payload where it will live. A bulk without a sink lands in
+destination so the kernel writes the payload where it will live; a sink with a ``received(filled)``
+method is told after every read how much of it is filled (``StoreSink`` checksums the bytes
+while they are still in the CPU cache). A bulk without a sink lands in
 a :class:`PagedBulk` (or, where the system refuses the mapping, a :class:`GrowingBulk`): as in
 Redis, memory grows with the bytes that arrive, never with the length a client declares
 (``$1073741824`` followed by nothing costs a few pages).
@@ -102,6 +104,7 @@ class Intake:
         self.end = 0
         self.partial: WithSinks | None = None
         self._direct: memoryview | None = None
+        self._progress: Callable[[int], None] | None = None  # the direct sink's ``received``
         self._grow: GrowingBulk | None = None
         self._filled = 0
         #: set when the buffer would grow past the query buffer limit
@@ -143,9 +146,11 @@ class Intake:
         """Account for ``nbytes`` written by the kernel; False while a payload is incomplete."""
         if self._direct is not None:
             self._filled += nbytes
+            if self._progress is not None:
+                self._progress(self._filled)
             if self._filled < self._direct.nbytes:
                 return False
-            self._direct = None
+            self._direct = self._progress = None
             return True
         grow = self._grow
         if grow is not None:
@@ -232,9 +237,12 @@ class Intake:
             args.append(sink.view)
             if have > 0:
                 sink.view[:have] = self._mv[data_pos : data_pos + have]
+            progress = getattr(sink, "received", None)
+            if progress is not None:
+                progress(have)
             if have < length:
                 self._direct = sink.view.cast("B") if sink.view.format != "B" else sink.view
-                self._filled = have
+                self._filled, self._progress = have, progress
         if have < length:
             self.start = self.end = 0
         else:
@@ -290,6 +298,7 @@ class Intake:
     def drop(self) -> dict[int, Any]:
         """Forget a half-received command; its sinks are returned for aborting."""
         part, self.partial, self._direct, self._grow = self.partial, None, None, None
+        self._progress = None
         self.partial_bytes = 0
         if part is None:
             return {}

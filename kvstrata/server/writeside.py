@@ -8,15 +8,22 @@ unsent, and Redis's ``client-output-buffer-limit`` (normal and monitor classes) 
 whenever output stays queued and once a second (:meth:`WriteSide.cron`). The same cron closes
 a connection whose half-received command made no progress for ``payload-timeout`` seconds
 (its payload's DRAM slot is freed when the connection is lost).
+
+A connection from a loopback client gets a small send buffer (``loopback-sndbuf``): a large
+reply is then copied into the socket in pieces the client takes while they are still in the
+CPU cache, instead of megabytes at a time that it reads back from memory. Remote clients keep
+the kernel's autotuning, which sizes the buffer to the bandwidth-delay product.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from typing import TYPE_CHECKING
 
+from kvstrata.server.admission import is_loopback
 from kvstrata.server.context import ClientState
 from kvstrata.server.intake import Intake
 from kvstrata.server.pins import ReplyPins
@@ -55,6 +62,9 @@ class WriteSide:
         (uvloop's TLS transport pauses at >= high, its TCP transport at > high)."""
         high = 1 if transport.get_extra_info("sslcontext") is not None else 0
         transport.set_write_buffer_limits(high=high, low=0)  # type: ignore[attr-defined]
+        size = self.server.config.values["loopback-sndbuf"]
+        if size:
+            size_loopback_send_buffer(transport, size)
 
     def pause_writing(self) -> None:
         self._unsent = True  # _after_write checks how much (flow control, output limits)
@@ -123,3 +133,22 @@ class WriteSide:
         self._closing = True
         if self.transport is not None:
             self.transport.abort()
+
+
+def size_loopback_send_buffer(transport: asyncio.BaseTransport, size: int) -> bool:
+    """Set SO_SNDBUF of a TCP connection whose peer is on loopback; True when set."""
+    sock = transport.get_extra_info("socket")
+    peer = transport.get_extra_info("peername")
+    if (
+        sock is None
+        or sock.family not in (socket.AF_INET, socket.AF_INET6)
+        or not isinstance(peer, tuple)
+        or not is_loopback(str(peer[0]))
+    ):
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    except OSError as exc:  # the kernel's default is a correct (if slower) fallback
+        log.debug("cannot set SO_SNDBUF of %s: %s", peer, exc)
+        return False
+    return True

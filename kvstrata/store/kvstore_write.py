@@ -33,7 +33,7 @@ from kvstrata.store.leases import (
 )
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import Buffer, Handle, TierError, TierFull
-from kvstrata.tiers.checksum import checksum
+from kvstrata.tiers.checksum import RunningChecksum, checksum
 
 log = logging.getLogger("kvstrata.store")
 
@@ -50,6 +50,11 @@ KEY_WAIT_SECONDS = 30.0  # a writer waiting for another writer of the same key g
 RECEIVING_SHARE = 0.5
 _SINK_NS = "\0payload"  # never a client namespace (validated): provisional slot keys
 _sink_ids = itertools.count(1)
+
+
+def _checksum(data: memoryview, sink: Any) -> bytes:
+    """The checksum of ``data``; a payload received into a StoreSink was hashed as it came."""
+    return sink.checksum() if type(sink) is StoreSink and data is sink.view else checksum(data)
 
 
 class StoreSink:
@@ -80,6 +85,18 @@ class StoreSink:
         self.owns_claim = slot_key is None
         self.consumed = False
         self.done = False
+        self._sum: RunningChecksum | None = None  # fed by the connection as bytes arrive
+
+    def received(self, filled: int) -> None:
+        """The connection received bytes ``[0, filled)`` of the payload into the slot: fold
+        them into the checksum now, while they are in the CPU cache."""
+        if self._sum is None:
+            self._sum = RunningChecksum()
+        self._sum.advance(self.view, filled)
+
+    def checksum(self) -> bytes:
+        """The checksum of the slot's bytes (the rest of what ``received`` folded in)."""
+        return checksum(self.view) if self._sum is None else self._sum.digest(self.view)
 
     def consume(self) -> StoreSink:
         self.consumed = True
@@ -178,7 +195,7 @@ class WritePath:
                 if rec is not None:
                     if nx:
                         return False
-                    if rec.size == data.nbytes and rec.checksum == checksum(data):
+                    if rec.size == data.nbytes and rec.checksum == _checksum(data, sink):
                         self._refresh(rec.redis_key(), ttl_ms)
                         return True
                     if rec.leases:
@@ -216,7 +233,7 @@ class WritePath:
         state.claim(key)
         sink.consume()
         try:
-            meta = ChunkMeta(key, parent, tokens, sink.view.nbytes, checksum(sink.view))
+            meta = ChunkMeta(key, parent, tokens, sink.view.nbytes, sink.checksum())
             self._publish(meta, sink.place(meta), ttl_ms, sink)
         finally:
             state.release_claim(key)
@@ -236,7 +253,7 @@ class WritePath:
         sink: StoreSink | GpuSink | None,
     ) -> None:
         """Place, checksum and publish a chunk whose key the caller owns."""
-        meta = ChunkMeta(key, parent, tokens, data.nbytes, checksum(data))
+        meta = ChunkMeta(key, parent, tokens, data.nbytes, _checksum(data, sink))
         placed: list[str] = []
         try:
             await self._place(meta, data, sink, placed)

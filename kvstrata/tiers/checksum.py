@@ -26,3 +26,31 @@ def checksum(data: Buffer) -> bytes:
 def verify(data: Buffer, expected: bytes) -> bool:
     """True when ``data`` has the checksum ``expected``."""
     return checksum(data) == expected
+
+
+class RunningChecksum:
+    """The checksum of a buffer filled front to back, folded in as its bytes arrive.
+
+    A large ``KV.PUT`` payload lands in its DRAM slot over many socket reads; hashing each
+    read's bytes right away (while they are still in the CPU cache, and while the connection
+    waits for the next ones anyway) leaves nothing to hash once the last byte is in, instead
+    of one cold pass over the whole payload before the reply. :meth:`digest` folds in whatever
+    was not reported, so the result is always the checksum of the whole buffer.
+    """
+
+    __slots__ = ("_state", "done")
+
+    def __init__(self) -> None:
+        self._state = xxhash.xxh3_128()
+        self.done = 0  # bytes folded in so far (a prefix of the buffer)
+
+    def advance(self, data: memoryview, filled: int) -> None:
+        """Bytes ``[0, filled)`` of ``data`` are final: fold in the ones not seen yet."""
+        if filled > self.done:
+            self._state.update(data[self.done : filled])
+            self.done = filled
+
+    def digest(self, data: memoryview) -> bytes:
+        """The checksum of all of ``data`` (the same as ``checksum(data)``)."""
+        self.advance(data, data.nbytes)
+        return self._state.digest()
