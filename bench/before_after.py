@@ -25,6 +25,11 @@ from pathlib import Path
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+def shape(line: str) -> str:
+    """The line without its numbers and with runs of spaces as one (widths vary with values)."""
+    return " ".join(NUMBER.sub("#", line).split())
+
+
 def run(script: Path, args: list[str], checkout: Path) -> list[str]:
     env = dict(os.environ, PYTHONPATH=str(checkout))
     out = subprocess.run(
@@ -40,8 +45,7 @@ def medians(runs: list[list[str]]) -> tuple[list[str], list[list[float] | None]]
     lines = runs[-1]
     result: list[list[float] | None] = []
     for i, line in enumerate(lines):
-        shape = NUMBER.sub("#", line)
-        rows = [r[i] for r in runs if i < len(r) and NUMBER.sub("#", r[i]) == shape]
+        rows = [r[i] for r in runs if i < len(r) and shape(r[i]) == shape(line)]
         if len(rows) != len(runs):
             result.append(None)
             continue
@@ -72,7 +76,7 @@ def merge(
     for i, line in enumerate(after):
         b = b_nums[i] if i < len(before) else None
         a = a_nums[i]
-        if not a or b is None or NUMBER.sub("#", before[i]) != NUMBER.sub("#", line):
+        if not a or b is None or shape(before[i]) != shape(line):
             out.append(line)
             continue
         out.append(substitute(line, iter(zip(b, a, strict=True))))
