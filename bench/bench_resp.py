@@ -5,9 +5,12 @@ round); the table shows medians over the rounds: ops/s, server CPU µs per op (u
 read from /proc around each test) and kvstrata's CPU ratio to redis-server's. Targets: CPU per
 small op ≤ 1.5× redis-server's, with and without pipelining; 1 MiB GET throughput ≥
 redis-server's. ``--python-path`` adds a kvstrata server without its compiled small-command path
-(``--fast-path no``), the before/after of that path in one run.
+(``--fast-path no``), the before/after of that path in one run; ``--compare CHECKOUT`` adds a
+kvstrata server running another checkout's code (e.g. /work/main: a change's before/after in one
+run, each measured beside the same redis-server).
 
     python bench/bench_resp.py [--requests 50000] [--clients 16] [--rounds 3] [--python-path]
+                               [--compare CHECKOUT]
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--python-path", action="store_true", help="also kvstrata without C path")
+    ap.add_argument("--compare", metavar="CHECKOUT", help="also kvstrata from another checkout")
     args = ap.parse_args()
     n, c = args.requests, args.clients
     scenarios = [
@@ -75,10 +79,15 @@ def main() -> None:
     with ExitStack() as stack:
         servers = [stack.enter_context(redis_server())]
         servers.append(stack.enter_context(kvstrata_server("--dram-capacity", "256MiB")))
+        names = ["redis", "kvstrata"]
         if args.python_path:
             python = kvstrata_server("--dram-capacity", "256MiB", "--fast-path", "no")
             servers.append(stack.enter_context(python))
-        names = ["redis", "kvstrata", "kvstrata-py"][: len(servers)]
+            names.append("kvstrata-py")
+        if args.compare:
+            other = kvstrata_server("--dram-capacity", "256MiB", checkout=args.compare)
+            servers.append(stack.enter_context(other))
+            names.append("checkout")
         for rnd in range(args.rounds):
             for label, tests, requests, pipeline, size in scenarios:
                 order = list(zip(names, servers, strict=True))

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
-from time import perf_counter
+from time import monotonic, perf_counter
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +76,8 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         self._task: asyncio.Task[None] | None = None
         self._queue: deque[Any] = deque()  # plain argument lists, or WithSinks
         self._slow = 0.0  # slow-log threshold in seconds, refreshed per batch
+        self._slow_micros: int | None = None  # the setting self._slow was computed from
+        self._values = server.config.values  # CONFIG SET changes it in place
 
     # -- asyncio callbacks ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -113,7 +114,7 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         self._pins.release_all()  # a running async command finishes; its reply is dropped
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        view = self._in.get_buffer(self.server.config.values["client-query-buffer-limit"])
+        view = self._in.get_buffer(self._values["client-query-buffer-limit"])
         if self._in.overflow and not self._closing:
             # Closing the transport inside get_buffer is not allowed: report from a callback.
             self._closing = True
@@ -122,27 +123,87 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         return view
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.server.stats.total_net_input_bytes += nbytes
-        self.client.last_interaction = time.monotonic()
-        if self._in.received(nbytes):
+        server = self.server
+        stats = server.stats
+        stats.total_net_input_bytes += nbytes
+        client = self.client
+        client.last_interaction = monotonic()
+        intake = self._in
+        if not intake.received(nbytes):
+            return
+        # The lean path (one read of small commands, all for the compiled path, one reply
+        # write): what _process and _flush would do for it, without their general checks.
+        # Anything else, and whatever it leaves, goes the general way.
+        fast = server.fastpath
+        values = self._values
+        if (
+            fast is None
+            or self._queue
+            or self._busy
+            or self._write_paused
+            or self._read_paused
+            or self._closing
+            or self._close_after
+            or self._out
+            or intake.partial is not None
+            or intake.yielded
+            or not client.authenticated
+            or server.loading
+            or server.monitors
+            or server.cmdstats.histograms
+            or not values["fast-path"]
+        ):
             self._process()
+            return
+        out = self._out
+        pos, ran, last, slow = fast.run(
+            intake.buf, intake.start, intake.end, out, self._resp3, values["proto-max-bulk-len"],
+            values["max-multibulk-len"], self._slow_threshold(values), MAX_OUT,
+        )  # fmt: skip
+        if not ran:
+            self._process(declined=intake.start)
+            return
+        stats.total_commands_processed += ran
+        client.commands += ran
+        client.last_command = NAMES[last]
+        if slow is not None:
+            server.slowlog_record(slow[0], slow[1], client)
+        if pos != intake.end:  # a command for the Python path follows
+            intake.start = pos
+            if len(out) >= FLUSH_PARTS or len(out[-1]) >= MAX_OUT:
+                self._flush()
+            self._process()
+            return
+        intake.start = intake.end = 0
+        data = out.pop()
+        stats.total_net_output_bytes += len(data)
+        self.transport.write(data)  # type: ignore[union-attr]
+        if self._unsent:  # else no pins are pending (out was empty) and nothing is queued
+            self._after_write()
 
     def eof_received(self) -> bool:
         return False
 
     # -- input ----------------------------------------------------------------------------
-    def _process(self) -> None:
-        """Decode what is buffered and run it, unless paused or an async command is running."""
+    def _process(self, declined: int = -1) -> None:
+        """Decode what is buffered and run it, unless paused or an async command is running;
+        ``declined``: the buffer offset where the compiled path just ran nothing."""
         server = self.server
-        values = server.config.values
-        self._slow = server.slowlog_threshold  # once per batch
+        values = self._values
+        self._slow_threshold(values)  # once per batch
         queue = self._queue
         intake = self._in
         executed = 0
         fast = server.fastpath
         if fast is not None and not usable(server, self.client.authenticated):
             fast = None
-        if fast is not None and not queue and not self._closing and not self._close_after:
+        if (
+            fast is not None
+            and not queue
+            and not self._closing
+            and not self._close_after
+            and intake.start != declined
+        ):
             # the common case in one step: the whole batch runs on the compiled path
             limits = values["proto-max-bulk-len"], values["max-multibulk-len"]
             executed = self._run_fast(fast, limits)
@@ -175,7 +236,12 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
                     limits = values["proto-max-bulk-len"], values["max-multibulk-len"]
                 else:  # as Redis: tiny frames until AUTH, so no one can make us allocate
                     limits = UNAUTH_MAX_BULK, UNAUTH_MAX_ARGS
-                if fast is not None and not queue and (ran := self._run_fast(fast, limits)):
+                if (
+                    fast is not None
+                    and not queue
+                    and intake.start != declined
+                    and (ran := self._run_fast(fast, limits))
+                ):
                     executed += ran
                     if intake.start == intake.end:
                         break  # all consumed: nothing left to decode
@@ -191,6 +257,15 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         self._update_reading()
         if intake.yielded and not self._closing:  # a long command is parsed in slices
             asyncio.get_running_loop().call_soon(self._process)
+
+    def _slow_threshold(self, values: dict[str, Any]) -> float:
+        """The slow-log threshold in seconds (``self._slow``), recomputed when its setting
+        changed (the slow log itself exists or not for the server's life)."""
+        micros = values["slowlog-log-slower-than"]
+        if micros != self._slow_micros:
+            self._slow_micros = micros
+            self._slow = self.server.slowlog_threshold
+        return self._slow
 
     def _run_fast(self, fast: Any, limits: tuple[int, int]) -> int:
         """Run the leading buffered commands on the compiled path (kvstrata.server.fastpath);
@@ -446,7 +521,7 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
 
     @property
     def idle_seconds(self) -> float:
-        return time.monotonic() - self.client.last_interaction
+        return monotonic() - self.client.last_interaction
 
     @property
     def busy(self) -> bool:

@@ -138,6 +138,8 @@ class Intake:
         if self.partial is not None and self.partial_bytes + self.end - self.start > limit:
             self.start = self.end = 0  # the connection reports it and closes
             self.overflow = True
+        if not self.end:
+            return self._mv  # the whole buffer (no slice to allocate: the common case)
         if self.end == len(self.buf):
             self._make_room(limit)
         return self._mv[self.end :]
