@@ -2,7 +2,9 @@
 
 Each round runs every test against every server in turn (the order alternates from round to
 round); the table shows medians over the rounds: ops/s, server CPU µs per op (user + system,
-read from /proc around each test) and kvstrata's CPU ratio to redis-server's. Targets: CPU per
+read from /proc around each test) and kvstrata's CPU ratio to redis-server's; a second table
+gives the user-space part alone (both servers spend about the same kernel time per request, so
+this is where they differ; 10 ms ticks, hence coarser). Targets: CPU per
 small op ≤ 1.5× redis-server's, with and without pipelining; 1 MiB GET throughput ≥
 redis-server's. ``--python-path`` adds a kvstrata server without its compiled small-command path
 (``--fast-path no``), the before/after of that path in one run; ``--compare CHECKOUT`` adds a
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import os
 import statistics
 import subprocess
 import sys
@@ -42,22 +45,33 @@ def cpu_seconds(proc: Proc) -> float:
     return total / 1e9
 
 
+def user_seconds(proc: Proc) -> float:
+    """User-space CPU time of all the server's threads (/proc/PID/task/*/stat, 10 ms ticks)."""
+    ticks = 0
+    for task in Path(f"/proc/{proc.process.pid}/task").iterdir():
+        try:
+            ticks += int((task / "stat").read_text().rsplit(")", 1)[1].split()[11])
+        except (OSError, ValueError, IndexError):
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def run_benchmark(
     proc: Proc, tests: str, n: int, clients: int, pipeline: int, size: int
-) -> dict[str, tuple[float, float]]:
-    """{test: (ops/s, server CPU µs per op)} — CPU measured around each test separately."""
+) -> dict[str, tuple[float, float, float]]:
+    """{test: (ops/s, server CPU µs per op, its user part)} — measured around each test."""
     results = {}
     for test in tests.split(","):
-        before = cpu_seconds(proc)
+        before, user = cpu_seconds(proc), user_seconds(proc)
         out = subprocess.run(
             ["redis-benchmark", "-p", str(proc.port), "-t", test, "-n", str(n), "-c",
              str(clients), "-P", str(pipeline), "-d", str(size), "-r", "1000", "--csv", "-q"],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
-        cpu = cpu_seconds(proc) - before
+        cpu, user = cpu_seconds(proc) - before, user_seconds(proc) - user
         for row in csv.reader(io.StringIO(out)):
             if row and row[0] != "test":
-                results[row[0]] = (float(row[1]), cpu * 1e6 / n)
+                results[row[0]] = (float(row[1]), cpu * 1e6 / n, user * 1e6 / n)
     return results
 
 
@@ -75,7 +89,7 @@ def main() -> None:
         ("small, -P 16", "ping_inline,ping_mbulk,set,get", n * 4, 16, 3),
         ("1 MiB values", "set,get", max(200, n // 200), 1, 1 << 20),
     ]
-    samples: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
+    samples: dict[tuple[str, str, str], list[tuple[float, float, float]]] = {}
     with ExitStack() as stack:
         servers = [stack.enter_context(redis_server())]
         servers.append(stack.enter_context(kvstrata_server("--dram-capacity", "256MiB")))
@@ -102,7 +116,7 @@ def main() -> None:
 def report(
     scenarios: list[tuple[str, str, int, int, int]],
     names: list[str],
-    samples: dict[tuple[str, str, str], list[tuple[float, float]]],
+    samples: dict[tuple[str, str, str], list[tuple[float, float, float]]],
 ) -> None:
     head = f"{'scenario':20} {'test':12}"
     for name in names:
@@ -129,6 +143,13 @@ def report(
             if label.startswith("small"):
                 line += "  ok" if ratios[0] <= TARGET else f"  MISSED (≤ {TARGET}×)"
             print(line)
+    print(f"\n{'user-space CPU µs/op':33}" + "".join(f" {n:>17}" for n in names))
+    for label, test, _ in dict.fromkeys((lb, t, "") for (lb, t, _) in samples):
+        line = f"{label:20} {test:12}"
+        for name in names:
+            runs = samples.get((label, test, name), [])
+            line += f" {statistics.median(s[2] for s in runs) if runs else 0.0:17.2f}"
+        print(line)
 
 
 def _test_order(test: str) -> int:

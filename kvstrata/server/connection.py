@@ -156,9 +156,11 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
             self._process()
             return
         out = self._out
+        if values["slowlog-log-slower-than"] != self._slow_micros:
+            self._slow_threshold(values)
         pos, ran, last, slow = fast.run(
             intake.buf, intake.start, intake.end, out, self._resp3, values["proto-max-bulk-len"],
-            values["max-multibulk-len"], self._slow_threshold(values), MAX_OUT,
+            values["max-multibulk-len"], self._slow, MAX_OUT,
         )  # fmt: skip
         if not ran:
             self._process(declined=intake.start)
