@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -174,15 +175,22 @@ def observe(srv: RunningServer, wire: Wire) -> dict[str, Any]:
 Script = Callable[[Wire], None]
 
 
-def both(make_server: Callable[..., RunningServer], script: Script, **overrides: Any) -> Wire:
-    """Run ``script`` on a lean connection and on a general one (fresh servers); assert the
-    same writes and state; return the lean one."""
+def both(
+    make_server: Callable[..., RunningServer],
+    script: Script,
+    setup: Callable[[Any], None] | None = None,
+    **overrides: Any,
+) -> Wire:
+    """Run ``script`` on a lean connection and on a general one (fresh servers, ``setup``
+    applied to each); assert the same writes and state; return the lean one."""
     wires = []
     for kind in (Counting, GeneralOnly):
         srv = make_server(**overrides)
         deadline = time.monotonic() + 10
         while srv.server.loading and time.monotonic() < deadline:
             time.sleep(0.01)
+        if setup is not None:
+            srv.call(partial(setup, srv.server))
         wire = Wire(srv, kind)
         script(wire)
         wires.append((wire, observe(srv, wire)))
@@ -334,3 +342,32 @@ def test_one_compiled_run_per_declined_read(make_server: Callable[..., RunningSe
     assert calls == [0, 0]  # declined; the general path decodes and runs both
     assert wire.transport.writes == [b":0\r\n", b":0\r\n$-1\r\n"]
     wire.close()
+
+
+def test_run_that_leaves_several_reply_buffers(make_server: Callable[..., RunningServer]) -> None:
+    """Should the compiled path ever append its replies as several buffers, the lean path
+    hands them to the general flush instead of writing one of them."""
+
+    class Split:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def run(self, *args: Any) -> Any:
+            out = args[3]
+            before = len(out)
+            result = self.inner.run(*args)
+            if len(out) > before and len(out[-1]) > 1:
+                last = out.pop()
+                out += [last[:1], last[1:]]
+            return result
+
+    def split(server: Any) -> None:
+        server.fastpath = Split(server.fastpath)
+
+    def script(w: Wire) -> None:
+        w.read(cmd("SET", "k", "v"))
+        w.read(cmd("GET", "k") + cmd("PING"))
+        w.read(cmd("GET", "k") + cmd("STRLEN", "k"))
+
+    lean = both(make_server, script, setup=split)
+    assert lean.transport.writes == [b"+OK\r\n", b"$1\r\nv\r\n+PONG\r\n", b"$1\r\nv\r\n:1\r\n"]

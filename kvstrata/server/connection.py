@@ -131,9 +131,7 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         intake = self._in
         if not intake.received(nbytes):
             return
-        # The lean path (one read of small commands, all for the compiled path, one reply
-        # write): what _process and _flush would do for it, without their general checks.
-        # Anything else, and whatever it leaves, goes the general way.
+        # the common case (small commands, an idle connection) takes the lean path
         fast = server.fastpath
         values = self._values
         if (
@@ -154,7 +152,15 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
             or not values["fast-path"]
         ):
             self._process()
-            return
+        else:
+            self._run_lean(fast, values)
+
+    def _run_lean(self, fast: Any, values: dict[str, Any]) -> None:
+        """The lean path: a read of small commands on an idle connection (see buffer_updated)
+        runs on the compiled path and is answered with one write, doing what _process and
+        _flush would do for it without their general checks. Anything else, and whatever the
+        run leaves in the buffer, goes the general way."""
+        intake = self._in
         out = self._out
         if values["slowlog-log-slower-than"] != self._slow_micros:
             self._slow_threshold(values)
@@ -165,15 +171,17 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         if not ran:
             self._process(declined=intake.start)
             return
+        server, client = self.server, self.client
+        stats = server.stats
         stats.total_commands_processed += ran
         client.commands += ran
         client.last_command = NAMES[last]
         if slow is not None:
             server.slowlog_record(slow[0], slow[1], client)
-        if pos != intake.end:  # a command for the Python path follows
+        if pos != intake.end or len(out) != 1:  # a command for the Python path follows
             intake.start = pos
             if len(out) >= FLUSH_PARTS or len(out[-1]) >= MAX_OUT:
-                self._flush()
+                self._flush()  # lets the transport push back (pause_writing)
             self._process()
             return
         intake.start = intake.end = 0
