@@ -7,8 +7,10 @@ failing its checksum (a torn write) — is free. A file that is not a slab goes 
 
 Two copies of one chunk can be found after a crash (an overwrite cut between writing the new
 copy and invalidating the old one; a put of a chunk still held in an old per-chunk file).
-:func:`resolve` keeps the newest (write time, then slot over file, then generation) and names
-the others, which the tier invalidates (slots) or removes (files) so they never come back.
+:func:`resolve` keeps the newest and names the others, which the tier invalidates (slots) or
+removes (files) so they never come back. Two slots are ordered by generation alone (a counter
+kept above every generation on disk, so a wall clock that steps back cannot make an older
+copy win); the newest slot and a chunk file by write time, then slot over file.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def scan_slab(slabs: Slabs, root: str, number: int) -> SlabScan:
             free.append(slot)
             result.invalid += found
     free.reverse()  # the allocator pops from the end: lowest slots first
-    slabs.adopt(slab, free)
+    slabs.adopt(slab, free, max((f.ref.generation for f in result.found), default=0))
     return result
 
 
@@ -206,11 +208,19 @@ def resolve(
             stale_files.append(meta.key)
         elif meta.key not in known:
             offer(meta.key, (written, 0, 0), meta)
+    newest: dict[ChunkKey, SlotFound] = {}
     for found in slots:
+        held_slot = newest.get(found.meta.key)
         if found.meta.key in known:
             stale_slots.append(found.ref)
+        elif held_slot is None or found.ref.generation > held_slot.ref.generation:
+            newest[found.meta.key] = found
+            if held_slot is not None:
+                stale_slots.append(held_slot.ref)
         else:
-            offer(found.meta.key, (found.written_ns, 1, found.ref.generation), found)
+            stale_slots.append(found.ref)
+    for found in newest.values():
+        offer(found.meta.key, (found.written_ns, 1, found.ref.generation), found)
     kept = [item for _, item in best.values()]
     return Resolved(
         [m for m in kept if isinstance(m, ChunkMeta)],
