@@ -7,12 +7,14 @@ import asyncio
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvstrata.tiers import _nvme_slabs
+from kvstrata.tiers import _nvme_slab_scan, _nvme_slabs
+from kvstrata.tiers._nvme_slabs import slot_size_for
 from kvstrata.tiers.nvme import NvmeTier
-from tests.test_nvme_slabs import chunk, read, run
+from tests.test_nvme_slabs import MiB, chunk, chunk_files, read, run
 
 HOUR_NS = 3600 * 10**9
 
@@ -72,4 +74,43 @@ def test_clock_step_back_within_a_run_keeps_the_newer_slot(
         assert await read(tier, new) == new_data
 
     run(tmp_path, both, scan=False)
+    run(tmp_path, after)
+
+
+@pytest.mark.parametrize("first_layout", ["slot", "file"])
+def test_put_while_the_start_up_rebuild_runs_is_not_undone_by_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first_layout: str
+) -> None:
+    """A chunk is on disk from the last run (in a slot, or in an old chunk file). The next run
+    overwrites it while scan() is still reading the folder: the rebuild, which found the old
+    copy, must not put it back in the index over the new one (old bytes served, the new slot
+    leaked); the old copy is dropped, ``used`` counts one slot, and a restart agrees."""
+    old, old_data = chunk(3, 12_000)
+    new, new_data = chunk(3, 12_000, seed=5)
+    real = _nvme_slab_scan.rebuild
+
+    async def first(tier: NvmeTier) -> None:
+        await tier.put(old, old_data)
+
+    async def overwrite_during_scan(tier: NvmeTier) -> None:
+        loop = asyncio.get_running_loop()
+
+        def rebuild(*args: Any) -> Any:  # the overwrite lands after scan() took its snapshot
+            asyncio.run_coroutine_threadsafe(tier.put(new, new_data), loop).result()
+            return real(*args)
+
+        with monkeypatch.context() as m:
+            m.setattr(_nvme_slab_scan, "rebuild", rebuild)
+            found = [meta async for meta in tier.scan()]
+        assert [m.checksum for m in found] == [new.checksum]
+        assert await read(tier, new) == new_data
+        assert tier.used == slot_size_for(new.size, MiB) and tier.info()["slab_chunks"] == 1
+        assert chunk_files(tmp_path) == []
+
+    async def after(tier: NvmeTier) -> None:
+        assert tier.rebuild_report is not None and tier.rebuild_report.chunks == 1
+        assert await read(tier, new) == new_data
+
+    run(tmp_path, first, slab_max=0 if first_layout == "file" else MiB)
+    run(tmp_path, overwrite_during_scan, scan=False)
     run(tmp_path, after)

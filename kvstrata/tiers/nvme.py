@@ -280,10 +280,14 @@ class NvmeTier(Tier):
             self._pool, _nvme_slab_scan.rebuild, self._files, self._slabs, SHARDS,
             max(SCAN_THREADS, self.config.io_threads), set(self._index), set(self._where),
         )  # fmt: skip
+        late = [m.key for m in rebuilt.files if m.key in self._index]
+        late_slots = [s.ref for s in rebuilt.slots if s.meta.key in self._index]
         for meta in rebuilt.files:
-            self._index[meta.key] = meta
+            self._index.setdefault(meta.key, meta)
         for slot in rebuilt.slots:
-            self._index[slot.meta.key], self._where[slot.meta.key] = slot.meta, slot.ref
+            if slot.meta.key not in self._index:
+                self._index[slot.meta.key], self._where[slot.meta.key] = slot.meta, slot.ref
+        await self._drop_late(late, late_slots)
         self._used = sum(self._cost(m, self._where.get(k)) for k, m in self._index.items())
         self.stats.chunks = len(self._index)
         self.stats.extra["slots_invalid"] += rebuilt.slots_invalid
@@ -307,6 +311,20 @@ class NvmeTier(Tier):
         )  # fmt: skip
         for meta in found:
             yield meta
+
+    async def _drop_late(self, keys: list[ChunkKey], refs: list[SlotRef]) -> None:
+        """Drop the copies the start-up rebuild found of chunks written while it ran (the
+        index holds the newer copy): their slots, and their files unless the newer copy is
+        that very file, renamed over the old one."""
+        for ref in refs:
+            await self._run_quietly(self._slabs.invalidate, ref)
+        for key in keys:
+            await self._acquire(key)
+            try:
+                if key in self._where:
+                    await self._run_quietly(self._files.delete, key)
+            finally:
+                self._release(key)
 
     def info(self) -> dict[str, Any]:
         report = self.rebuild_report
