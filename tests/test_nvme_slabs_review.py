@@ -1,5 +1,6 @@
-"""NVMe slab files under adversarial conditions found in review: a wall clock that steps back
-between (or during) runs, and index updates racing the start-up rebuild."""
+"""NVMe slab files under adversarial conditions: a wall clock that steps back between (or
+during) runs, a put racing the start-up rebuild, a slot freed and reused under a read in
+flight, nvme-slab-max lowered between restarts."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from typing import Any
 
 import pytest
 
+from kvstrata.tiers import _nvme_format as fmt
 from kvstrata.tiers import _nvme_slab_scan, _nvme_slabs
 from kvstrata.tiers._nvme_slabs import slot_size_for
+from kvstrata.tiers.base import ChunkMissing
 from kvstrata.tiers.nvme import NvmeTier
 from tests.test_nvme_slabs import MiB, chunk, chunk_files, read, run
 
@@ -114,3 +117,63 @@ def test_put_while_the_start_up_rebuild_runs_is_not_undone_by_it(
     run(tmp_path, first, slab_max=0 if first_layout == "file" else MiB)
     run(tmp_path, overwrite_during_scan, scan=False)
     run(tmp_path, after)
+
+
+def test_read_whose_slot_is_freed_and_reused_by_another_chunk_is_a_miss(tmp_path: Path) -> None:
+    """A read of chunk K starts; before it reads, K is deleted and its slot is reused by chunk
+    J (same size class). The read sees J's header there: a plain miss for K, never J's bytes,
+    and J's slot is left alone (not invalidated by the reader as if it were corrupt)."""
+    k, k_data = chunk(4, 30_000)
+    j, j_data = chunk(5, 30_000)
+
+    async def body(tier: NvmeTier) -> None:
+        await tier.put(k, k_data)
+        where = tier.locate(k.key)
+        loop = asyncio.get_running_loop()
+        real = tier._slabs.read
+
+        def read_slot(*args: Any) -> Any:
+            async def reuse() -> None:
+                assert await tier.delete(k.key)
+                await tier.put(j, j_data)
+
+            asyncio.run_coroutine_threadsafe(reuse(), loop).result()
+            return real(*args)
+
+        tier._slabs.read = read_slot  # type: ignore[method-assign]
+        out = bytearray(k.size)
+        with pytest.raises(ChunkMissing):
+            await tier.get(k.key, memoryview(out))
+        tier._slabs.read = real  # type: ignore[method-assign]
+        assert tier.locate(j.key) == where  # the very slot K had
+        assert await read(tier, j) == j_data
+        assert tier.stats.integrity_errors == 0 and tier.info()["slots_invalid"] == 0
+
+    run(tmp_path, body)
+
+
+def test_slab_max_lowered_between_restarts(tmp_path: Path) -> None:
+    """Chunks written into slots with nvme-slab-max 1MiB are served after a restart with
+    64KiB; overwriting one now writes a chunk file and invalidates its slot, and the next
+    restart finds the file only (no second copy, no old bytes)."""
+    big, big_data = chunk(6, 500_000)
+    big2, big2_data = chunk(6, 500_000, seed=2)
+    small, small_data = chunk(7, 5_000)
+
+    async def first(tier: NvmeTier) -> None:
+        await tier.put_many([(big, big_data), (small, small_data)])
+
+    async def lowered(tier: NvmeTier) -> None:
+        assert await read(tier, big) == big_data and await read(tier, small) == small_data
+        await tier.put(big2, big2_data)
+        assert tier.locate(big.key) == (str(tmp_path / fmt.chunk_relpath(big.key)), 0)
+
+    async def again(tier: NvmeTier) -> None:
+        report = tier.rebuild_report
+        assert report is not None and (report.chunks, report.stale) == (2, 0)
+        assert tier.info()["slab_chunks"] == 1
+        assert await read(tier, big2) == big2_data and await read(tier, small) == small_data
+
+    run(tmp_path, first)
+    run(tmp_path, lowered, slab_max=64 * 1024)
+    run(tmp_path, again, slab_max=64 * 1024)
