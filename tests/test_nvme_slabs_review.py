@@ -1,10 +1,11 @@
 """NVMe slab files under adversarial conditions: a wall clock that steps back between (or
 during) runs, a put racing the start-up rebuild, a slot freed and reused under a read in
-flight, nvme-slab-max lowered between restarts."""
+flight, nvme-slab-max lowered between restarts, puts and deletes cancelled mid-I/O."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import types
 from pathlib import Path
@@ -17,7 +18,7 @@ from kvstrata.tiers import _nvme_slab_scan, _nvme_slabs
 from kvstrata.tiers._nvme_slabs import slot_size_for
 from kvstrata.tiers.base import ChunkMissing
 from kvstrata.tiers.nvme import NvmeTier
-from tests.test_nvme_slabs import MiB, chunk, chunk_files, read, run
+from tests.test_nvme_slabs import MiB, chunk, chunk_files, read, run, slab_files
 
 HOUR_NS = 3600 * 10**9
 
@@ -177,3 +178,99 @@ def test_slab_max_lowered_between_restarts(tmp_path: Path) -> None:
     run(tmp_path, first)
     run(tmp_path, lowered, slab_max=64 * 1024)
     run(tmp_path, again, slab_max=64 * 1024)
+
+
+def _pool_idle(tier: NvmeTier) -> None:
+    """Block until every job submitted to the tier's pool so far has run (one worker)."""
+    tier._pool.submit(lambda: None).result(timeout=30)
+
+
+def test_delete_cancelled_while_queued_still_invalidates_the_slot(tmp_path: Path) -> None:
+    """A delete drops the chunk from the index, then waits for a free I/O thread to zero the
+    slot's header; the delete is cancelled while its job is still queued (a shutdown cancelling
+    background work). The slot must still be invalidated: a clean restart must not bring the
+    deleted chunk back, and the slot is free for reuse."""
+    meta, data = chunk(8, 10_000)
+    busy, gate = threading.Event(), threading.Event()
+
+    def block() -> None:
+        busy.set()
+        gate.wait(30)
+
+    async def body(tier: NvmeTier) -> None:
+        await tier.put(meta, data)
+        tier._pool.submit(block)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, busy.wait, 30)  # the only I/O thread is busy
+        try:
+            task = asyncio.ensure_future(tier.delete(meta.key))
+            deadline = time.monotonic() + 30
+            while tier._pool._work_queue.qsize() < 1:  # the invalidation is queued
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.001)
+            assert not await tier.contains(meta.key)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            gate.set()
+        await loop.run_in_executor(None, _pool_idle, tier)
+
+    async def after(tier: NvmeTier) -> None:
+        assert not await tier.contains(meta.key)
+        assert tier.rebuild_report is not None and tier.rebuild_report.chunks == 0
+
+    run(tmp_path, body, io_threads=1)
+    run(tmp_path, after)
+
+
+@pytest.mark.parametrize("during", ["write", "group sync"])
+def test_put_cancelled_during_its_slot_write_leaves_no_slot_behind(
+    tmp_path: Path, during: str
+) -> None:
+    """A put is cancelled while its slot is being written (the write runs on in its thread),
+    or while it waits for the group sync that makes the write durable. The put did not
+    happen: the slot is invalidated and free again once the write ends, and a restart does
+    not find the chunk (which the index never had, so no delete could reach it)."""
+    meta, data = chunk(9, 10_000)
+    other, other_data = chunk(10, 10_000)
+    started, gate = threading.Event(), threading.Event()
+
+    async def body(tier: NvmeTier) -> None:
+        assert tier._group is not None
+        real, real_sync = tier._slabs.write, tier._group._sync
+
+        def write(*args: Any) -> Any:
+            if during == "write":
+                started.set()
+                gate.wait(30)
+            return real(*args)
+
+        def sync(*args: Any) -> Any:
+            if during == "group sync":
+                started.set()
+                gate.wait(30)
+            return real_sync(*args)
+
+        tier._slabs.write = write  # type: ignore[method-assign]
+        tier._group._sync = sync  # type: ignore[method-assign]
+        try:
+            task = asyncio.ensure_future(tier.put(meta, data))
+            await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            gate.set()
+        await asyncio.get_running_loop().run_in_executor(None, _pool_idle, tier)
+        tier._slabs.write, tier._group._sync = real, real_sync  # type: ignore[method-assign]
+        assert not await tier.contains(meta.key) and tier.used == 0
+        await tier.put(other, other_data)  # reuses the abandoned slot
+        assert tier.locate(other.key) == (str(slab_files(tmp_path)[0]), 4096)
+
+    async def after(tier: NvmeTier) -> None:
+        assert not await tier.contains(meta.key)
+        assert await read(tier, other) == other_data
+
+    run(tmp_path, body, io_threads=1)
+    run(tmp_path, after)

@@ -32,8 +32,9 @@ import errno
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -175,12 +176,20 @@ class NvmeTier(Tier):
                 await self._group_sync(meta.key, fd)
             return stored, None
         always = self.config.fsync == "always"
-        stored, ref = await self._run(self._slabs.write, meta, payload, always)
+        stored, ref = await self._run(
+            self._slabs.write, meta, payload, always, undo=lambda done: self._slabs.discard(done[1])
+        )
         if self._group is not None:
             try:
                 await self._slot_sync(ref)
             except TierIOError:
                 await self._run_quietly(self._slabs.discard, ref)
+                raise
+            except asyncio.CancelledError:  # the put did not happen: its slot must not stay
+                try:
+                    self._pool.submit(self._slabs.discard, ref)
+                except RuntimeError:  # the pool is shut down (closing): here, then
+                    self._slabs.discard(ref)
                 raise
         return stored, ref
 
@@ -254,11 +263,12 @@ class NvmeTier(Tier):
                 return False
             self.stats.deletes += 1
             if ref is not None:
-                await self._run(self._slabs.invalidate, ref, self.config.fsync == "always")
+                always = self.config.fsync == "always"
+                await self._run(self._slabs.invalidate, ref, always, finish=True)
                 if self._group is not None:
                     await self._slot_sync(ref)
                 return True
-            await self._run(self._files.delete, key)
+            await self._run(self._files.delete, key, finish=True)
             if self._group is not None:
                 await self._group_sync(key, -1)
             return True
@@ -413,11 +423,26 @@ class NvmeTier(Tier):
         self.stats.chunks = len(self._index)
         return True
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        """Run ``fn`` on the pool; OSError becomes a counted, logged TierIOError."""
+    async def _run(
+        self, fn: Any, *args: Any, finish: bool = False, undo: Callable[[Any], None] | None = None
+    ) -> Any:
+        """Run ``fn`` on the pool; OSError becomes a counted, logged TierIOError.
+
+        When the caller is cancelled (a shutdown cancelling background work) a job already
+        running goes on; ``finish``: one still queued runs too (invalidations and deletes: the
+        disk must end up agreeing with the index, or a restart brings a deleted chunk back);
+        ``undo`` gets the result of a job that still succeeds (a slot written for a put that
+        did not happen, invalidated then)."""
         self._check_open()  # close() shuts the pool down: a closed tier raises TierUnavailable
+        job = self._pool.submit(fn, *args)
+        waited = asyncio.wrap_future(job)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            return await (asyncio.shield(waited) if finish else waited)
+        except asyncio.CancelledError:
+            waited.add_done_callback(_retrieved)
+            if undo is not None:
+                job.add_done_callback(partial(_undo, undo))
+            raise
         except (FileNotFoundError, Corrupt, IntegrityError):
             raise
         except OSError as exc:
@@ -454,7 +479,7 @@ class NvmeTier(Tier):
     async def _run_quietly(self, fn: Any, *args: Any) -> None:
         """Run clean-up work whose failure is counted and logged (``_run``) but not raised."""
         try:
-            await self._run(fn, *args)
+            await self._run(fn, *args, finish=True)
         except (TierIOError, TierUnavailable):
             pass
 
@@ -475,6 +500,22 @@ class NvmeTier(Tier):
         self.last_error = f"{errno.errorcode.get(exc.errno or 0, 'EIO')}: {exc.strerror}"
         log.warning("nvme: %s failed: %s", what, self.last_error)
         return TierIOError(f"nvme: {self.last_error}")
+
+
+def _retrieved(waited: asyncio.Future[Any]) -> None:
+    """Consume the outcome of a job its caller stopped waiting for (no "never retrieved")."""
+    if not waited.cancelled():
+        waited.exception()
+
+
+def _undo(undo: Callable[[Any], None], job: Future[Any]) -> None:
+    """Run ``undo`` on the result of a job whose caller was cancelled, if it succeeded."""
+    if job.cancelled() or job.exception() is not None:
+        return
+    try:
+        undo(job.result())
+    except OSError as exc:
+        log.warning("nvme: undoing a cancelled write failed: %s", exc)
 
 
 # Registered by call rather than as a decorator so that type checkers keep the class type.
