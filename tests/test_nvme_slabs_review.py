@@ -1,6 +1,7 @@
 """NVMe slab files under adversarial conditions: a wall clock that steps back between (or
 during) runs, a put racing the start-up rebuild, a slot freed and reused under a read in
-flight, nvme-slab-max lowered between restarts, puts and deletes cancelled mid-I/O."""
+flight, nvme-slab-max lowered between restarts, puts and deletes cancelled mid-I/O, a damaged
+slab header."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kvstrata.tiers import _nvme_slab_scan, _nvme_slabs
 from kvstrata.tiers._nvme_slabs import slot_size_for
 from kvstrata.tiers.base import ChunkMissing
 from kvstrata.tiers.nvme import NvmeTier
-from tests.test_nvme_slabs import MiB, chunk, chunk_files, read, run, slab_files
+from tests.test_nvme_slabs import MiB, chunk, chunk_files, flip, read, run, slab_files
 
 HOUR_NS = 3600 * 10**9
 
@@ -274,3 +275,35 @@ def test_put_cancelled_during_its_slot_write_leaves_no_slot_behind(
 
     run(tmp_path, body, io_threads=1)
     run(tmp_path, after)
+
+
+@pytest.mark.parametrize("damage", ["flip", "empty"])
+def test_slab_with_a_bad_header_is_quarantined_never_served(tmp_path: Path, damage: str) -> None:
+    """A slab file whose own header is damaged (a flipped byte) or empty (a crash right after
+    its creation) is moved to quarantine at start; none of its slots is served, the other
+    slab's chunks are, and new chunks go to a new slab file, not over the quarantined one."""
+    small, small_data = chunk(11, 5_000)  # 8 KiB class
+    big, big_data = chunk(12, 50_000)  # another class: another slab file
+    new, new_data = chunk(13, 5_000)
+
+    async def first(tier: NvmeTier) -> None:
+        await tier.put(small, small_data)  # in slab file 1
+        await tier.put(big, big_data)
+
+    async def second(tier: NvmeTier) -> None:
+        report = tier.rebuild_report
+        assert report is not None and (report.chunks, report.quarantined) == (1, 1)
+        assert not await tier.contains(small.key)
+        assert await read(tier, big) == big_data
+        await tier.put(new, new_data)
+        assert await read(tier, new) == new_data
+        assert len(list((tmp_path / "quarantine").iterdir())) == 1
+
+    run(tmp_path, first)
+    first_slab = slab_files(tmp_path)[0]
+    if damage == "flip":
+        flip(str(first_slab), 20)
+    else:
+        first_slab.write_bytes(b"")
+    run(tmp_path, second)
+    assert first_slab not in slab_files(tmp_path) and len(slab_files(tmp_path)) == 2
