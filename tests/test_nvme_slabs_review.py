@@ -6,6 +6,7 @@ slab header."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import types
@@ -14,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from kvstrata.tiers import _nvme_files, _nvme_slab_scan, _nvme_slabs
 from kvstrata.tiers import _nvme_format as fmt
-from kvstrata.tiers import _nvme_slab_scan, _nvme_slabs
 from kvstrata.tiers._nvme_slabs import slot_size_for
 from kvstrata.tiers.base import ChunkMissing
 from kvstrata.tiers.nvme import NvmeTier
@@ -25,9 +26,10 @@ HOUR_NS = 3600 * 10**9
 
 
 def _clock_back(monkeypatch: pytest.MonkeyPatch, by_ns: int) -> None:
-    """The slab writer's wall clock reads ``by_ns`` earlier (NTP step, VM restore, new host)."""
+    """The writers' wall clock reads ``by_ns`` earlier (NTP step, VM restore, new host)."""
     fake = types.SimpleNamespace(time_ns=lambda: time.time_ns() - by_ns)
-    monkeypatch.setattr(_nvme_slabs, "time", fake)
+    for module in (_nvme_slabs, _nvme_files, fmt):
+        monkeypatch.setattr(module, "time", fake, raising=False)
 
 
 def test_overwrite_cut_after_the_clock_stepped_back_keeps_the_newer_slot(
@@ -80,6 +82,43 @@ def test_clock_step_back_within_a_run_keeps_the_newer_slot(
 
     run(tmp_path, both, scan=False)
     run(tmp_path, after)
+
+
+@pytest.mark.parametrize(
+    "layouts", [("slot", "file"), ("file", "slot")], ids=["slot-then-file", "file-then-slot"]
+)
+def test_file_and_slot_copies_after_the_clock_stepped_back_keep_the_newer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layouts: tuple[str, str]
+) -> None:
+    """Run 1 writes a chunk as a slot (or a file). Run 2, its clock an hour earlier, writes it
+    again as a file (nvme-slab-max lowered; or as a slot) and is killed before the old copy is
+    dropped. Run 3 keeps run 2's copy: write times given out are never below those on disk."""
+    old, old_data = chunk(14, 20_000)
+    new, new_data = chunk(14, 20_000, seed=4)
+    limit = {"slot": MiB, "file": 0}
+
+    async def first(tier: NvmeTier) -> None:
+        await tier.put(old, old_data)
+
+    async def cut_overwrite(tier: NvmeTier) -> None:
+        assert await read(tier, old) == old_data
+        loop = asyncio.get_running_loop()
+        if layouts[1] == "slot":
+            await loop.run_in_executor(None, tier._slabs.write, new, memoryview(new_data), False)
+        else:  # the new file renamed over nothing (the old copy is a slot): close its fd
+            _, fd = await loop.run_in_executor(None, tier._files.write, new, memoryview(new_data))
+            if fd >= 0:
+                os.close(fd)
+
+    async def third(tier: NvmeTier) -> None:
+        assert tier.rebuild_report is not None and tier.rebuild_report.stale == 1
+        assert await read(tier, new) == new_data
+
+    run(tmp_path, first, slab_max=limit[layouts[0]])
+    with monkeypatch.context() as m:
+        _clock_back(m, HOUR_NS)
+        run(tmp_path, cut_overwrite, slab_max=limit[layouts[1]])
+    run(tmp_path, third)
 
 
 @pytest.mark.parametrize("first_layout", ["slot", "file"])

@@ -10,7 +10,8 @@ copy and invalidating the old one; a put of a chunk still held in an old per-chu
 :func:`resolve` keeps the newest and names the others, which the tier invalidates (slots) or
 removes (files) so they never come back. Two slots are ordered by generation alone (a counter
 kept above every generation on disk, so a wall clock that steps back cannot make an older
-copy win); the newest slot and a chunk file by write time, then slot over file.
+copy win); the newest slot and a chunk file by write time (``WriteClock``: also kept above
+every time found on disk), then slot over file.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def rebuild(
     slab_results = scan_slabs(slabs, root, threads)
     found = [item for shard in shard_results for item in shard.found]
     slots = [slot for slab in slab_results for slot in slab.found]
+    files.clock.at_least(max([w for _, w in found] + [s.written_ns for s in slots], default=0))
     kept = resolve(found, slots, known, known_slots)
     for ref in kept.stale_slots:
         _quietly(slabs.invalidate, ref)

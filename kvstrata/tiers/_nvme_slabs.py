@@ -30,7 +30,13 @@ import time
 from dataclasses import dataclass
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
-from kvstrata.tiers._nvme_format import HEADER_SIZE, BadHeader, decode_header, encode_header
+from kvstrata.tiers._nvme_format import (
+    HEADER_SIZE,
+    BadHeader,
+    WriteClock,
+    decode_header,
+    encode_header,
+)
 from kvstrata.tiers._nvme_io import _O_DIRECT, Backend, _staging
 from kvstrata.tiers.base import IntegrityError
 from kvstrata.tiers.checksum import checksum
@@ -118,9 +124,16 @@ class Slabs:
     allocator's lock is held only in those threads, never across an ``await``."""
 
     def __init__(
-        self, root: str, backend: Backend, limit: int, slab_bytes: int, fsync: str
+        self,
+        root: str,
+        backend: Backend,
+        limit: int,
+        slab_bytes: int,
+        fsync: str,
+        clock: WriteClock | None = None,
     ) -> None:
         self.folder = os.path.join(root, SLAB_DIR)
+        self.clock = clock or WriteClock()
         self.fsync = fsync
         self.backend = backend
         self.limit = limit
@@ -228,7 +241,7 @@ class Slabs:
         stored = ChunkMeta(meta.key, meta.parent, meta.tokens, meta.size, csum, meta.codec)
         ref = self._allocate(self.slot_size(meta.size))
         slab = self.slabs[ref.slab]
-        header = encode_header(stored, csum, time.time_ns(), ref.generation)
+        header = encode_header(stored, csum, self.clock.now(), ref.generation)
         try:
             self.backend.write_at(slab.fd, slab.path, ref.offset, header, payload)
             if sync:

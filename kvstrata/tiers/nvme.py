@@ -42,7 +42,7 @@ from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_slab_scan
 from kvstrata.tiers._nvme_config import NvmeConfig, prepare_folder
 from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt, unlink_quietly
-from kvstrata.tiers._nvme_format import file_bytes
+from kvstrata.tiers._nvme_format import WriteClock, file_bytes
 from kvstrata.tiers._nvme_io import PosixBackend, choose_backend
 from kvstrata.tiers._nvme_scan import QUARANTINE, RebuildReport
 from kvstrata.tiers._nvme_slabs import SLAB_DIR, Slabs, SlotMismatch, SlotRef
@@ -83,9 +83,10 @@ class NvmeTier(Tier):
         self.root = str(Path(config.path).absolute())
         prepare_folder(self.root, [*SHARDS, QUARANTINE, SLAB_DIR])
         self.backend, self.backend_reason = choose_backend(self.root, config.backend, config.direct)
-        self._files = ChunkFiles(self.root, self.backend, config.fsync)
+        clock = WriteClock()  # one for both layouts: a file and a slot of one chunk compare
+        self._files = ChunkFiles(self.root, self.backend, config.fsync, clock)
         self._slabs = Slabs(
-            self.root, self.backend, config.slab_max, config.slab_bytes, config.fsync
+            self.root, self.backend, config.slab_max, config.slab_bytes, config.fsync, clock
         )
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstrata-nvme")
         self._group = None
