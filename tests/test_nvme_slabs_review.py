@@ -346,3 +346,40 @@ def test_slab_with_a_bad_header_is_quarantined_never_served(tmp_path: Path, dama
         first_slab.write_bytes(b"")
     run(tmp_path, second)
     assert first_slab not in slab_files(tmp_path) and len(slab_files(tmp_path)) == 2
+
+
+def test_file_written_while_the_rebuild_runs_is_not_removed_by_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An old chunk file of K is on disk; the new run puts K in a slot before scan(), so the
+    rebuild will treat a file of K as stale. While it runs, K is written again, now larger
+    than nvme-slab-max: a new file renamed over the old one. The rebuild must not remove that
+    new file (the chunk the index holds): a read serves it, and a restart too."""
+    v1, v1_data = chunk(15, 20_000)
+    v2, v2_data = chunk(15, 20_000, seed=2)
+    v3, v3_data = chunk(15, 100_000, seed=3)
+    real = _nvme_slab_scan.rebuild
+
+    async def first(tier: NvmeTier) -> None:
+        await tier.put(v1, v1_data)
+
+    async def second(tier: NvmeTier) -> None:
+        loop = asyncio.get_running_loop()
+        await tier.put(v2, v2_data)  # a slot, before the scan
+
+        def rebuild(*args: Any) -> Any:
+            asyncio.run_coroutine_threadsafe(tier.put(v3, v3_data), loop).result()
+            return real(*args)
+
+        with monkeypatch.context() as m:
+            m.setattr(_nvme_slab_scan, "rebuild", rebuild)
+            [meta async for meta in tier.scan()]
+        assert await read(tier, v3) == v3_data
+        assert chunk_files(tmp_path) == [tmp_path / fmt.chunk_relpath(v3.key)]
+
+    async def third(tier: NvmeTier) -> None:
+        assert await read(tier, v3) == v3_data
+
+    run(tmp_path, first, slab_max=0)
+    run(tmp_path, second, scan=False, slab_max=64 * 1024)
+    run(tmp_path, third, slab_max=64 * 1024)

@@ -71,6 +71,9 @@ class Rebuilt:
     temp_removed: int
     slots_invalid: int
     stale: int
+    #: chunks whose file lost to a slot: the tier removes the file while the slot is still
+    #: the chunk's copy (a put while the rebuild ran may have renamed a new file there)
+    stale_files: list[ChunkKey] = field(default_factory=list)
 
 
 def rebuild(
@@ -83,8 +86,8 @@ def rebuild(
 ) -> Rebuilt:
     """Blocking, at start: scan the chunk files (``_nvme_scan``) and the slab files, keep the
     newest copy of each chunk (:func:`resolve`; ``known``: chunks written since the tier
-    opened) and drop the stale ones (slots invalidated, files removed; a failure is logged and
-    the copy loses again at the next start)."""
+    opened) and invalidate the stale slots (a failure is logged and the copy loses again at
+    the next start); the stale files are named, for the tier to remove."""
     root = files.root
     keep = {".kvstrata-probe", SYNC_MARKER}
     shard_results, moved = scan_all(root, shards, frozenset(files.in_flight), threads, keep)
@@ -95,8 +98,6 @@ def rebuild(
     kept = resolve(found, slots, known, known_slots)
     for ref in kept.stale_slots:
         _quietly(slabs.invalidate, ref)
-    for key in kept.stale_files:
-        _quietly(files.delete, key)
     return Rebuilt(
         kept.files,
         kept.slots,
@@ -106,6 +107,7 @@ def rebuild(
         sum(s.temp_removed for s in shard_results),
         sum(s.invalid for s in slab_results),
         len(kept.stale_slots) + len(kept.stale_files),
+        kept.stale_files,
     )
 
 

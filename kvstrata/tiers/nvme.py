@@ -291,7 +291,7 @@ class NvmeTier(Tier):
             self._pool, _nvme_slab_scan.rebuild, self._files, self._slabs, SHARDS,
             max(SCAN_THREADS, self.config.io_threads), set(self._index), set(self._where),
         )  # fmt: skip
-        late = [m.key for m in rebuilt.files if m.key in self._index]
+        late = [m.key for m in rebuilt.files if m.key in self._index] + rebuilt.stale_files
         late_slots = [s.ref for s in rebuilt.slots if s.meta.key in self._index]
         for meta in rebuilt.files:
             self._index.setdefault(meta.key, meta)
@@ -324,9 +324,9 @@ class NvmeTier(Tier):
             yield meta
 
     async def _drop_late(self, keys: list[ChunkKey], refs: list[SlotRef]) -> None:
-        """Drop the copies the start-up rebuild found of chunks written while it ran (the
-        index holds the newer copy): their slots, and their files unless the newer copy is
-        that very file, renamed over the old one."""
+        """Drop the stale copies the start-up rebuild found: slots of chunks written while it
+        ran, and chunk files that lost to a slot — only while the chunk's copy is a slot (a
+        put while the rebuild ran may have renamed a new file over the stale one)."""
         for ref in refs:
             await self._run_quietly(self._slabs.invalidate, ref)
         for key in keys:
