@@ -364,3 +364,19 @@ class _Chunk:
 
     def memory_usage(self) -> int:
         return 1
+
+
+def test_reset_then_multibulk_get_needs_auth(start: Callable[..., RunningServer]) -> None:
+    """An authenticated client pipelines a quoted inline RESET (which drops its authentication,
+    a password being set; the quotes send it through the Python decoder) and a multibulk GET in
+    one write: the GET must answer NOAUTH, as on the Python path, not the value."""
+    srv = start(requirepass="pw")
+    session = Session(srv.port)
+    assert session.send(cmd("AUTH", "pw") + cmd("SET", "k", "v")) == b"+OK\r\n+OK\r\n"
+    session.sock.sendall(b'"RESET"\r\n' + cmd("GET", "k"))
+    got = b""
+    deadline = time.monotonic() + 10
+    while got.count(b"\r\n") < 2 and time.monotonic() < deadline:
+        got += session.sock.recv(1000)
+    session.close()
+    assert got.startswith(b"+RESET\r\n-NOAUTH"), got

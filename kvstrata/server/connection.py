@@ -175,7 +175,14 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
                     limits = values["proto-max-bulk-len"], values["max-multibulk-len"]
                 else:  # as Redis: tiny frames until AUTH, so no one can make us allocate
                     limits = UNAUTH_MAX_BULK, UNAUTH_MAX_ARGS
-                if fast is not None and not queue and (ran := self._run_fast(fast, limits)):
+                # usable() again: a command run meanwhile (RESET, MONITOR, CONFIG SET) may
+                # have changed what it depends on
+                if (
+                    fast is not None
+                    and not queue
+                    and usable(server, self.client.authenticated)
+                    and (ran := self._run_fast(fast, limits))
+                ):
                     executed += ran
                     if intake.start == intake.end:
                         break  # all consumed: nothing left to decode
