@@ -380,3 +380,18 @@ def test_reset_then_multibulk_get_needs_auth(start: Callable[..., RunningServer]
         got += session.sock.recv(1000)
     session.close()
     assert got.startswith(b"+RESET\r\n-NOAUTH"), got
+
+
+@pytest.mark.parametrize("first", [cmd("GET", "k"), b"'GET' k\r\n"])
+def test_commands_before_unbalanced_quotes_still_run(
+    start: Callable[..., RunningServer], first: bytes
+) -> None:
+    """As Redis: the commands before a malformed inline line are answered, then the protocol
+    error closes the connection (the Python path used to drop them)."""
+    srv = start()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:
+        sock.sendall(first + b'"\r\n')
+        got = b""
+        while chunk := sock.recv(1000):
+            got += chunk
+    assert got == b"$-1\r\n-ERR Protocol error: unbalanced quotes in request\r\n"
