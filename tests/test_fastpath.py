@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -395,3 +396,48 @@ def test_commands_before_unbalanced_quotes_still_run(
         while chunk := sock.recv(1000):
             got += chunk
     assert got == b"$-1\r\n-ERR Protocol error: unbalanced quotes in request\r\n"
+
+
+def test_failing_command_is_left_to_python(
+    compiled: tuple[FakeServer, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command that raises inside the compiled path (here the string store's _bind) is
+    reported through sys.unraisablehook and the run stops before it: the replies and counters
+    of the commands before it are kept (they were lost, and the run raised SystemError)."""
+    srv, fast = compiled
+    reported: list[Any] = []
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("bind failed")
+
+    monkeypatch.setattr(srv.strings, "_bind", broken)
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    head = cmd("GET", "a") + cmd("PING")
+    expected = (len(head), 2, "PING", None, b"$-1\r\n+PONG\r\n")
+    assert run(fast, head + cmd("SET", "new", "v")) == expected
+    assert [str(r.exc_value) for r in reported] == ["bind failed"]
+    assert srv.keyspace.misses == 1 and "SET" not in srv.cmdstats.commands
+    assert srv.cmdstats.commands["GET"].calls == srv.cmdstats.commands["PING"].calls == 1
+
+
+def test_failing_store_answers_as_python_does(
+    start: Callable[..., RunningServer], path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same failure end to end: both paths answer the commands before it and an internal
+    error for the SET, and the connection stays usable."""
+    srv = start()
+    reported: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("bind failed")
+
+    srv.call(lambda: setattr(srv.server.strings, "_bind", broken))
+    session = Session(srv.port)
+    got = session.send(cmd("GET", "a") + cmd("PING") + cmd("SET", "new", "v") + cmd("PING"))
+    session.close()
+    assert got == b"$-1\r\n+PONG\r\n-ERR internal error in 'set': bind failed\r\n+PONG\r\n"
+    # reported by the compiled path (once per run that reached the SET), never by Python's
+    assert {str(r.exc_value) for r in reported} == (
+        {"bind failed"} if path == "compiled" else set()
+    )
