@@ -157,6 +157,21 @@ def test_config_set_fast_path_switches_paths(make_server: Callable[..., RunningS
     session.close()
 
 
+def test_config_set_fast_path_no_mid_batch(make_server: Callable[..., RunningServer]) -> None:
+    """``CONFIG SET fast-path no`` as a quoted inline command (the Python decoder's), then
+    multibulk GETs in the same write: none of them may run on the compiled path."""
+    if not fastpath.AVAILABLE:
+        pytest.skip("kvstrata.server._fastpath is not built (python3 setup.py build_ext)")
+    srv = make_server()
+    spy = Spy(srv.server.fastpath)
+    srv.call(lambda: setattr(srv.server, "fastpath", spy))
+    session = Session(srv.port)
+    got = session.send(b"'CONFIG' SET fast-path no\r\n" + cmd("SET", "k", "v") + cmd("GET", "k"))
+    session.close()
+    assert got == b"+OK\r\n+OK\r\n$1\r\nv\r\n"
+    assert spy.ran == 0
+
+
 def observe(srv: RunningServer, script: list[bytes]) -> tuple[list[bytes], dict[str, Any]]:
     """Replies of each step of ``script`` on one connection, then the server's state."""
     session = Session(srv.port)
