@@ -105,6 +105,10 @@ static void fp_dealloc(FastPath *self) {
 }
 
 static int fp_init(FastPath *self, PyObject *args, PyObject *kw) {
+    if (kw != NULL && PyDict_GET_SIZE(kw) > 0) {
+        PyErr_SetString(PyExc_TypeError, "FastPath() takes no keyword arguments");
+        return -1;
+    }
     PyObject *ks, *st, *cs, *et, *ct;
     Py_ssize_t large, overhead;
     if (!PyArg_ParseTuple(args, "OOOO!O!nn", &ks, &st, &cs, &PyType_Type, &et, &PyType_Type,
@@ -280,7 +284,7 @@ done:
     return rc;
 }
 
-static int do_exists(FastPath *fp, Run *run, const Arg *argv, int argc, Out *o) {
+static int do_exists(Run *run, const Arg *argv, int argc, Out *o) {
     long long found = 0;
     for (int i = 1; i < argc; i++) {  /* a key with a TTL: expiry is Python's, hand over */
         PyObject *key = PyBytes_FromStringAndSize(argv[i].p, argv[i].n);
@@ -316,7 +320,7 @@ static int execute(FastPath *fp, Run *run, int cmd, const Arg *argv, int argc, O
     case C_SET:
         return do_set(fp, run, argv, o);
     case C_EXISTS:
-        return do_exists(fp, run, argv, argc, o);
+        return do_exists(run, argv, argc, o);
     }
     return 0;
 }
@@ -496,7 +500,8 @@ static PyTypeObject FastPathType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_fastpath", "Compiled small-command path.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_fastpath", "Compiled small-command path.", -1, NULL, NULL, NULL,
+    NULL, NULL,
 };
 
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
