@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvstrata.server import fastpath
+from kvstrata.server.cmdstats import CommandStat
 from kvstrata.store.keyspace import StringEntry
 from tests.conftest import RunningServer
 from tests.fakectx import FakeServer
@@ -343,6 +344,16 @@ def test_hands_over_without_side_effects(compiled: tuple[FakeServer, Any], data:
     srv, fast = compiled
     assert run(fast, data) == (0, 0, None, None, b"")
     assert srv.keyspace.hits == srv.keyspace.misses == 0 and not srv.cmdstats.commands
+
+
+def test_uninitialised_object_raises(compiled: tuple[FakeServer, Any]) -> None:
+    srv, fast = compiled
+    bare = type(fast).__new__(type(fast))  # no __init__: used to dereference NULL
+    with pytest.raises(TypeError, match="not initialised"):
+        bare.run(bytearray(b"PING\r\n"), 0, 6, [], False, 1024, 16, 1.0, 1024)
+    stores = srv.keyspace, srv.strings, srv.cmdstats, StringEntry, CommandStat, 65536, 64
+    with pytest.raises(TypeError, match="keyword"):  # used to be ignored
+        type(fast)(*stores, large_value=1)
 
 
 def test_hands_over_ttl_and_other_types(compiled: tuple[FakeServer, Any]) -> None:

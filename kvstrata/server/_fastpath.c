@@ -433,6 +433,10 @@ static Py_ssize_t run_commands(FastPath *fp, Run *run, const char *base, Py_ssiz
 }
 
 static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
+    if (fp->keyspace == NULL) {  /* FastPath.__new__ without __init__ */
+        PyErr_SetString(PyExc_TypeError, "FastPath is not initialised");
+        return NULL;
+    }
     if (nargs != 9 || !PyList_CheckExact(args[3])) {
         PyErr_SetString(PyExc_TypeError,
                         "run(buf, pos, end, out, resp3, max_bulk, max_args, slow, max_out)");
