@@ -77,6 +77,8 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         self._task: asyncio.Task[None] | None = None
         self._queue: deque[Any] = deque()  # plain argument lists, or WithSinks
         self._slow = 0.0  # slow-log threshold in seconds, refreshed per batch
+        #: a protocol error met while commands before it still wait (queued, or async running)
+        self._error: ProtocolError | None = None
 
     # -- asyncio callbacks ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -171,11 +173,22 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
                 # large payload while we wait for it to read its replies is not deadlocked.
                 if queue and self._ahead_full():
                     break
+                if self._error is not None:  # answered once all before it are
+                    if not queue and not self._busy:
+                        self._protocol_error(self._error)
+                    break
                 if self._authenticated():
                     limits = values["proto-max-bulk-len"], values["max-multibulk-len"]
                 else:  # as Redis: tiny frames until AUTH, so no one can make us allocate
                     limits = UNAUTH_MAX_BULK, UNAUTH_MAX_ARGS
-                if fast is not None and not queue and (ran := self._run_fast(fast, limits)):
+                # usable() again: a command run meanwhile (RESET, MONITOR, CONFIG SET) may
+                # have changed what it depends on
+                if (
+                    fast is not None
+                    and not queue
+                    and usable(server, self.client.authenticated)
+                    and (ran := self._run_fast(fast, limits))
+                ):
                     executed += ran
                     if intake.start == intake.end:
                         break  # all consumed: nothing left to decode
@@ -183,7 +196,10 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
                 if not intake.decode(queue, *limits):
                     break
         except ProtocolError as exc:
-            self._protocol_error(exc)
+            if queue or self._busy:  # as Redis: the commands before it are answered first
+                self._error = exc
+            else:
+                self._protocol_error(exc)
         self.server.stats.total_commands_processed += executed
         self.client.commands += executed
         self._in.compact()
