@@ -328,6 +328,16 @@ def test_runs_hot_commands_and_stops_at_others(compiled: tuple[FakeServer, Any])
     assert srv.strings.used == 1 + 1 + 64
 
 
+def test_command_names_fold_ascii_case_only(compiled: tuple[FakeServer, Any]) -> None:
+    """Mixed case runs compiled; a byte that only a Latin locale would fold (0xDD, dotted İ in
+    ISO-8859-9) is not a letter of EXISTS, as in the registry's ``bytes.upper()``."""
+    _srv, fast = compiled
+    data = cmd("gEt", "k") + cmd("ExIsTs", "k") + cmd(b"EX\xddSTS", "k")
+    pos, ran, last, _slow, out = run(fast, data)
+    assert (ran, last, out) == (2, "EXISTS", b"$-1\r\n:0\r\n")
+    assert data[pos:] == cmd(b"EX\xddSTS", "k")
+
+
 @pytest.mark.parametrize(
     "data",
     [

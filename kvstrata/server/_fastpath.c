@@ -27,9 +27,16 @@
 enum { C_PING, C_ECHO, C_GET, C_SET, C_EXISTS, N_CMDS };
 static const char *NAMES[N_CMDS] = {"PING", "ECHO", "GET", "SET", "EXISTS"};
 
+/* ASCII-only case folding, as the registry's bytes.upper(): strncasecmp follows the locale. */
 static int name_is(const Arg *a, const char *name) {
     size_t n = strlen(name);
-    return (size_t)a->n == n && strncasecmp(a->p, name, n) == 0;
+    if ((size_t)a->n != n) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = a->p[i];
+        if (c >= 'a' && c <= 'z') c = (char)(c - 'a' + 'A');
+        if (c != name[i]) return 0;
+    }
+    return 1;
 }
 
 static int command_of(const Arg *argv, int argc) {
