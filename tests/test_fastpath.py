@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvstrata.server import fastpath
+from kvstrata.server.cmdstats import CommandStat
 from kvstrata.store.keyspace import StringEntry
 from tests.conftest import RunningServer
 from tests.fakectx import FakeServer
@@ -154,6 +156,21 @@ def test_config_set_fast_path_switches_paths(make_server: Callable[..., RunningS
     assert session.send(cmd("GET", "k")) == b"$1\r\nv\r\n"
     assert spy.ran == 2  # GET k and the ECHO END marker
     session.close()
+
+
+def test_config_set_fast_path_no_mid_batch(make_server: Callable[..., RunningServer]) -> None:
+    """``CONFIG SET fast-path no`` as a quoted inline command (the Python decoder's), then
+    multibulk GETs in the same write: none of them may run on the compiled path."""
+    if not fastpath.AVAILABLE:
+        pytest.skip("kvstrata.server._fastpath is not built (python3 setup.py build_ext)")
+    srv = make_server()
+    spy = Spy(srv.server.fastpath)
+    srv.call(lambda: setattr(srv.server, "fastpath", spy))
+    session = Session(srv.port)
+    got = session.send(b"'CONFIG' SET fast-path no\r\n" + cmd("SET", "k", "v") + cmd("GET", "k"))
+    session.close()
+    assert got == b"+OK\r\n+OK\r\n$1\r\nv\r\n"
+    assert spy.ran == 0
 
 
 def observe(srv: RunningServer, script: list[bytes]) -> tuple[list[bytes], dict[str, Any]]:
@@ -311,6 +328,16 @@ def test_runs_hot_commands_and_stops_at_others(compiled: tuple[FakeServer, Any])
     assert srv.strings.used == 1 + 1 + 64
 
 
+def test_command_names_fold_ascii_case_only(compiled: tuple[FakeServer, Any]) -> None:
+    """Mixed case runs compiled; a byte that only a Latin locale would fold (0xDD, dotted İ in
+    ISO-8859-9) is not a letter of EXISTS, as in the registry's ``bytes.upper()``."""
+    _srv, fast = compiled
+    data = cmd("gEt", "k") + cmd("ExIsTs", "k") + cmd(b"EX\xddSTS", "k")
+    pos, ran, last, _slow, out = run(fast, data)
+    assert (ran, last, out) == (2, "EXISTS", b"$-1\r\n:0\r\n")
+    assert data[pos:] == cmd(b"EX\xddSTS", "k")
+
+
 @pytest.mark.parametrize(
     "data",
     [
@@ -327,6 +354,16 @@ def test_hands_over_without_side_effects(compiled: tuple[FakeServer, Any], data:
     srv, fast = compiled
     assert run(fast, data) == (0, 0, None, None, b"")
     assert srv.keyspace.hits == srv.keyspace.misses == 0 and not srv.cmdstats.commands
+
+
+def test_uninitialised_object_raises(compiled: tuple[FakeServer, Any]) -> None:
+    srv, fast = compiled
+    bare = type(fast).__new__(type(fast))  # no __init__: used to dereference NULL
+    with pytest.raises(TypeError, match="not initialised"):
+        bare.run(bytearray(b"PING\r\n"), 0, 6, [], False, 1024, 16, 1.0, 1024)
+    stores = srv.keyspace, srv.strings, srv.cmdstats, StringEntry, CommandStat, 65536, 64
+    with pytest.raises(TypeError, match="keyword"):  # used to be ignored
+        type(fast)(*stores, large_value=1)
 
 
 def test_hands_over_ttl_and_other_types(compiled: tuple[FakeServer, Any]) -> None:
@@ -364,3 +401,92 @@ class _Chunk:
 
     def memory_usage(self) -> int:
         return 1
+
+
+def test_reset_then_multibulk_get_needs_auth(start: Callable[..., RunningServer]) -> None:
+    """An authenticated client pipelines a quoted inline RESET (which drops its authentication,
+    a password being set; the quotes send it through the Python decoder) and a multibulk GET in
+    one write: the GET must answer NOAUTH, as on the Python path, not the value."""
+    srv = start(requirepass="pw")
+    session = Session(srv.port)
+    assert session.send(cmd("AUTH", "pw") + cmd("SET", "k", "v")) == b"+OK\r\n+OK\r\n"
+    session.sock.sendall(b'"RESET"\r\n' + cmd("GET", "k"))
+    got = b""
+    deadline = time.monotonic() + 10
+    while got.count(b"\r\n") < 2 and time.monotonic() < deadline:
+        got += session.sock.recv(1000)
+    session.close()
+    assert got.startswith(b"+RESET\r\n-NOAUTH"), got
+
+
+@pytest.mark.parametrize("first", [cmd("GET", "k"), b"'GET' k\r\n"])
+def test_commands_before_unbalanced_quotes_still_run(
+    start: Callable[..., RunningServer], first: bytes
+) -> None:
+    """As Redis: the commands before a malformed inline line are answered, then the protocol
+    error closes the connection (the Python path used to drop them)."""
+    srv = start()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:
+        sock.sendall(first + b'"\r\n')
+        got = b""
+        while chunk := sock.recv(1000):
+            got += chunk
+    assert got == b"$-1\r\n-ERR Protocol error: unbalanced quotes in request\r\n"
+
+
+def test_failing_command_is_left_to_python(
+    compiled: tuple[FakeServer, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command that raises inside the compiled path (here the string store's _bind) is
+    reported through sys.unraisablehook and the run stops before it: the replies and counters
+    of the commands before it are kept (they were lost, and the run raised SystemError)."""
+    srv, fast = compiled
+    reported: list[Any] = []
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("bind failed")
+
+    monkeypatch.setattr(srv.strings, "_bind", broken)
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    head = cmd("GET", "a") + cmd("PING")
+    expected = (len(head), 2, "PING", None, b"$-1\r\n+PONG\r\n")
+    assert run(fast, head + cmd("SET", "new", "v")) == expected
+    assert [str(r.exc_value) for r in reported] == ["bind failed"]
+    assert srv.keyspace.misses == 1 and "SET" not in srv.cmdstats.commands
+    assert srv.cmdstats.commands["GET"].calls == srv.cmdstats.commands["PING"].calls == 1
+
+
+def test_failing_store_answers_as_python_does(
+    start: Callable[..., RunningServer], path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same failure end to end: both paths answer the commands before it and an internal
+    error for the SET, and the connection stays usable."""
+    srv = start()
+    reported: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("bind failed")
+
+    srv.call(lambda: setattr(srv.server.strings, "_bind", broken))
+    session = Session(srv.port)
+    got = session.send(cmd("GET", "a") + cmd("PING") + cmd("SET", "new", "v") + cmd("PING"))
+    session.close()
+    assert got == b"$-1\r\n+PONG\r\n-ERR internal error in 'set': bind failed\r\n+PONG\r\n"
+    # reported by the compiled path (once per run that reached the SET), never by Python's
+    assert {str(r.exc_value) for r in reported} == (
+        {"bind failed"} if path == "compiled" else set()
+    )
+
+
+def test_protocol_error_waits_for_an_async_command(start: Callable[..., RunningServer]) -> None:
+    """An async command (KV.MGET) is running when a malformed frame arrives behind it and a
+    GET: as Redis, every command before the malformed frame is answered, in order, then the
+    protocol error closes the connection (its reply and the GET's used to be dropped)."""
+    srv = start()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:
+        sock.sendall(cmd("KV.MGET", "ns", "ab") + cmd("GET", "k") + b"*1\r\n$x\r\n")
+        got = b""
+        while chunk := sock.recv(1000):
+            got += chunk
+    assert got == b"*1\r\n$-1\r\n$-1\r\n-ERR Protocol error: invalid bulk length\r\n"

@@ -172,7 +172,12 @@ def parse_inlines(buf: Buf, pos: int, end: int) -> tuple[list[list[bytes]], int]
     Empty lines are skipped."""
     cmds: list[list[bytes]] = []
     while pos < end and buf[pos] != 0x2A:
-        args, nxt = parse_inline(buf, pos, end)
+        try:
+            args, nxt = parse_inline(buf, pos, end)
+        except ProtocolError:
+            if not cmds:
+                raise
+            break  # the commands before it still run; the error comes on the next call
         if args is None:
             break
         if args:

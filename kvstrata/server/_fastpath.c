@@ -13,7 +13,9 @@
  *   would need eviction, anything malformed or incomplete. pos is where the Python path takes
  *   over (at a command boundary). last: index into NAMES of the last command run (-1: none).
  *   slow_hit: None, or (started, argv) for a command that took longer than `slow` seconds (the
- *   run stops after it so that the caller records it in the slow log).
+ *   run stops after it so that the caller records it in the slow log). A command that raises
+ *   (MemoryError, a store bug) is reported through sys.unraisablehook and the run stops before
+ *   it, its side effects consistent: the Python path then runs it and answers for it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,9 +27,16 @@
 enum { C_PING, C_ECHO, C_GET, C_SET, C_EXISTS, N_CMDS };
 static const char *NAMES[N_CMDS] = {"PING", "ECHO", "GET", "SET", "EXISTS"};
 
+/* ASCII-only case folding, as the registry's bytes.upper(): strncasecmp follows the locale. */
 static int name_is(const Arg *a, const char *name) {
     size_t n = strlen(name);
-    return (size_t)a->n == n && strncasecmp(a->p, name, n) == 0;
+    if ((size_t)a->n != n) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = a->p[i];
+        if (c >= 'a' && c <= 'z') c = (char)(c - 'a' + 'A');
+        if (c != name[i]) return 0;
+    }
+    return 1;
 }
 
 static int command_of(const Arg *argv, int argc) {
@@ -103,6 +112,10 @@ static void fp_dealloc(FastPath *self) {
 }
 
 static int fp_init(FastPath *self, PyObject *args, PyObject *kw) {
+    if (kw != NULL && PyDict_GET_SIZE(kw) > 0) {
+        PyErr_SetString(PyExc_TypeError, "FastPath() takes no keyword arguments");
+        return -1;
+    }
     PyObject *ks, *st, *cs, *et, *ct;
     Py_ssize_t large, overhead;
     if (!PyArg_ParseTuple(args, "OOOO!O!nn", &ks, &st, &cs, &PyType_Type, &et, &PyType_Type,
@@ -132,6 +145,7 @@ typedef struct {
     long long limit;  /* -1: not read yet */
     long long used;   /* StringStore.used, read when first needed, written back at the end */
     int used_read, used_dirty;
+    int failed;  /* a command raised: reported, and left to the Python path */
     PyObject *move_to_end;  /* the LRU's bound move_to_end, got when first needed */
 } Run;
 
@@ -204,7 +218,6 @@ static int do_get(FastPath *fp, Run *run, const Arg *argv, Out *o, int resp3) {
     if (!PyBytes_CheckExact(value) && !PyByteArray_CheckExact(value)) {
         Py_DECREF(value); rc = 0; goto done;
     }
-    run->hits++;
     int in_lru = PyDict_Contains(run->lru, key);
     if (in_lru == 1 && touch(run, key) < 0) in_lru = -1;
     if (in_lru < 0) { Py_DECREF(value); rc = -1; goto done; }
@@ -213,6 +226,7 @@ static int do_get(FastPath *fp, Run *run, const Arg *argv, Out *o, int resp3) {
     else
         rc = out_bulk(o, PyByteArray_AS_STRING(value), PyByteArray_GET_SIZE(value));
     rc = rc < 0 ? -1 : 1;
+    if (rc == 1) run->hits++;  /* counted once done: a failed GET is run again by Python */
     Py_DECREF(value);
 done:
     Py_DECREF(key);
@@ -252,9 +266,9 @@ static int do_set(FastPath *fp, Run *run, const Arg *argv, Out *o) {
         if (value == NULL || pycost == NULL || PyObject_SetItem(run->lru, key, pycost) < 0) {
             rc = -1; goto done;
         }
-        if (touch(run, key) < 0) { rc = -1; goto done; }
-        run->used += cost - was;
+        run->used += cost - was;  /* with the LRU's new cost: consistent if touch fails */
         run->used_dirty = 1;
+        if (touch(run, key) < 0) { rc = -1; goto done; }
         rc = slot_set(entry, fp->value_at, s_value, value) < 0 ? -1 : 1;
     } else {
         value = PyBytes_FromStringAndSize(argv[2].p, argv[2].n);
@@ -277,18 +291,20 @@ done:
     return rc;
 }
 
-static int do_exists(FastPath *fp, Run *run, const Arg *argv, int argc, Out *o) {
+static int do_exists(Run *run, const Arg *argv, int argc, Out *o) {
     long long found = 0;
     for (int i = 1; i < argc; i++) {  /* a key with a TTL: expiry is Python's, hand over */
         PyObject *key = PyBytes_FromStringAndSize(argv[i].p, argv[i].n);
         if (key == NULL) return -1;
-        PyObject *entry = PyDict_GetItemWithError(run->data, key);
+        PyObject *entry = PyDict_GetItemWithError(run->data, key);  /* borrowed */
         Py_DECREF(key);
         if (entry == NULL) {
             if (PyErr_Occurred()) return -1;
             continue;
         }
+        Py_INCREF(entry);  /* another type's expire_at may be a property: Python code */
         PyObject *exp = PyObject_GetAttr(entry, s_expire_at);
+        Py_DECREF(entry);
         if (exp == NULL) return -1;
         int plain = exp == Py_None;
         Py_DECREF(exp);
@@ -311,7 +327,7 @@ static int execute(FastPath *fp, Run *run, int cmd, const Arg *argv, int argc, O
     case C_SET:
         return do_set(fp, run, argv, o);
     case C_EXISTS:
-        return do_exists(fp, run, argv, argc, o);
+        return do_exists(run, argv, argc, o);
     }
     return 0;
 }
@@ -387,8 +403,9 @@ typedef struct {
     double slow;
 } Limits;
 
-/* Execute commands from base[*pos:end] until one is not for us; *pos, *last and *slow_hit
- * (see the top of this file) updated. The number executed, or -1 on an error. */
+/* Execute commands from base[*pos:end] until one is not for us or fails (run->failed, the
+ * error set; *pos is then at that command); *pos, *last and *slow_hit (see the top of this
+ * file) updated. The number executed. */
 static Py_ssize_t run_commands(FastPath *fp, Run *run, const char *base, Py_ssize_t *pos,
                                Py_ssize_t end, const Limits *lim, Out *o, int *last,
                                PyObject **slow_hit) {
@@ -404,7 +421,8 @@ static Py_ssize_t run_commands(FastPath *fp, Run *run, const char *base, Py_ssiz
         if (cmd < 0) break;
         double started = clock;
         int rc = execute(fp, run, cmd, argv, argc, o, lim->resp3);
-        if (rc <= 0) return rc < 0 ? -1 : executed;
+        if (rc < 0) run->failed = 1;
+        if (rc <= 0) return executed;
         clock = now_s();  /* this command's end, the next one's start */
         run->calls[cmd]++;
         run->seconds[cmd] += clock - started;
@@ -414,13 +432,18 @@ static Py_ssize_t run_commands(FastPath *fp, Run *run, const char *base, Py_ssiz
         if (clock - started > lim->slow) {
             PyObject *list = argv_list(argv, argc);
             *slow_hit = list == NULL ? NULL : Py_BuildValue("(dN)", started, list);
-            return *slow_hit == NULL ? -1 : executed;
+            if (*slow_hit == NULL) run->failed = 1;  /* only its slow-log entry is lost */
+            return executed;
         }
     }
     return executed;
 }
 
 static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
+    if (fp->keyspace == NULL) {  /* FastPath.__new__ without __init__ */
+        PyErr_SetString(PyExc_TypeError, "FastPath is not initialised");
+        return NULL;
+    }
     if (nargs != 9 || !PyList_CheckExact(args[3])) {
         PyErr_SetString(PyExc_TypeError,
                         "run(buf, pos, end, out, resp3, max_bulk, max_args, slow, max_out)");
@@ -450,7 +473,10 @@ static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
     }
     Py_ssize_t executed = run_commands(fp, &run, (const char *)view.buf, &pos, end, &lim, &o,
                                        &last, &slow_hit);
-    if (write_back(fp, &run) < 0 || executed < 0) goto fail;
+    if (run.failed)  /* reported (sys.unraisablehook); the Python path runs it again and
+                      * answers as it does for a failing handler (or succeeds: MemoryError) */
+        PyErr_WriteUnraisable((PyObject *)fp);
+    if (write_back(fp, &run) < 0) goto fail;
     if (o.len > 0) {
         PyObject *bytes = PyBytes_FromStringAndSize(o.buf, o.len);
         if (bytes == NULL || PyList_Append(args[3], bytes) < 0) { Py_XDECREF(bytes); goto fail; }
@@ -485,7 +511,8 @@ static PyTypeObject FastPathType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_fastpath", "Compiled small-command path.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_fastpath", "Compiled small-command path.", -1, NULL, NULL, NULL,
+    NULL, NULL,
 };
 
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL

@@ -78,6 +78,8 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         self._slow = 0.0  # slow-log threshold in seconds, refreshed per batch
         self._slow_micros: int | None = None  # the setting self._slow was computed from
         self._values = server.config.values  # CONFIG SET changes it in place
+        #: a protocol error met while commands before it still wait (queued, or async running)
+        self._error: ProtocolError | None = None
 
     # -- asyncio callbacks ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -142,6 +144,7 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
             or self._read_paused
             or self._closing
             or self._close_after
+            or self._error is not None
             or self._out
             or intake.partial is not None
             or intake.yielded
@@ -242,14 +245,21 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
                 # large payload while we wait for it to read its replies is not deadlocked.
                 if queue and self._ahead_full():
                     break
+                if self._error is not None:  # answered once all before it are
+                    if not queue and not self._busy:
+                        self._protocol_error(self._error)
+                    break
                 if self._authenticated():
                     limits = values["proto-max-bulk-len"], values["max-multibulk-len"]
                 else:  # as Redis: tiny frames until AUTH, so no one can make us allocate
                     limits = UNAUTH_MAX_BULK, UNAUTH_MAX_ARGS
+                # usable() again: a command run meanwhile (RESET, MONITOR, CONFIG SET) may
+                # have changed what it depends on
                 if (
                     fast is not None
                     and not queue
                     and intake.start != declined
+                    and usable(server, self.client.authenticated)
                     and (ran := self._run_fast(fast, limits))
                 ):
                     executed += ran
@@ -259,7 +269,10 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
                 if not intake.decode(queue, *limits):
                     break
         except ProtocolError as exc:
-            self._protocol_error(exc)
+            if queue or self._busy:  # as Redis: the commands before it are answered first
+                self._error = exc
+            else:
+                self._protocol_error(exc)
         self.server.stats.total_commands_processed += executed
         self.client.commands += executed
         self._in.compact()

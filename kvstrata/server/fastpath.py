@@ -14,9 +14,10 @@ string store's LRU order and ``used`` bytes; ``INFO commandstats`` calls and tim
 and the client's last command. What it leaves to Python, command by command: keys with a TTL
 (expiry), keys of another type (``WRONGTYPE``, large values in the tiers), a write that would go
 over ``maxmemory`` (eviction, ``-OOM``), wrong arity, options, malformed or incomplete input,
-quoted inline commands. Whole batches go the Python way (:func:`usable`) while a client is not
-authenticated, the server is loading, a ``MONITOR`` is attached, or the latency histograms of
-the metrics endpoint are on.
+quoted inline commands; a command that raises in C (reported through ``sys.unraisablehook``).
+Whole batches go the Python way (:func:`usable`, asked again after every command the Python
+path runs) while a client is not authenticated, the server is loading, a ``MONITOR`` is
+attached, or the latency histograms of the metrics endpoint are on.
 
 ``fast-path no`` (``CONFIG SET fast-path no``, ``--fast-path no``, ``KVSTRATA_FAST_PATH=no``)
 sends every command the Python way.

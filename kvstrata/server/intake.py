@@ -207,6 +207,8 @@ class Intake:
                 return self._begin_incremental(queue, max_bulk)
             return bool(cmds)
         if state == decoder.INLINE:
+            if cmds:  # run them first: a malformed quoted line errors after their replies
+                return True
             inline, pos = decoder.parse_inlines(self.buf, self.start, self.end)
             moved = pos != self.start
             self.start = pos

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-import time
 from typing import NoReturn
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
@@ -21,6 +20,7 @@ from kvstrata.tiers import _nvme_scan
 from kvstrata.tiers._nvme_format import (
     TMP_SUFFIX,
     BadHeader,
+    WriteClock,
     chunk_digest,
     decode_header,
     encode_header,
@@ -44,8 +44,11 @@ class Corrupt(Exception):
 class ChunkFiles:
     """The chunk files under ``root``; ``in_flight`` names the temp files being written."""
 
-    def __init__(self, root: str, backend: Backend, fsync: str) -> None:
+    def __init__(
+        self, root: str, backend: Backend, fsync: str, clock: WriteClock | None = None
+    ) -> None:
         self.root = root
+        self.clock = clock or WriteClock()
         self.backend = backend
         self.fsync = fsync
         self.in_flight: set[str] = set()
@@ -66,7 +69,7 @@ class ChunkFiles:
         if meta.checksum and meta.checksum != csum:
             raise IntegrityError(f"payload of {meta.key.hex} does not match its checksum")
         stored = ChunkMeta(meta.key, meta.parent, meta.tokens, meta.size, csum, meta.codec)
-        header = encode_header(stored, csum, time.time_ns())
+        header = encode_header(stored, csum, self.clock.now())
         folder, name = self.path(meta.key)
         final = os.path.join(folder, name)
         tmp = os.path.join(folder, f".{name}.{os.getpid()}.{next(_tmp_numbers)}{TMP_SUFFIX}")

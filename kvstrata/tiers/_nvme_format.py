@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
+import time
 from dataclasses import dataclass
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
@@ -63,6 +65,25 @@ class Header:
     written_ns: int
     flags: int = 0
     generation: int = 0
+
+
+class WriteClock:
+    """The "written at" of new headers: the wall clock, but always above every time given
+    out before or found on disk at start (:meth:`at_least`), so that of two copies of one
+    chunk left by a crash the later write has the later time even if the clock stepped back."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._lock = threading.Lock()
+
+    def now(self) -> int:
+        with self._lock:
+            self._last = max(time.time_ns(), self._last + 1)
+            return self._last
+
+    def at_least(self, ns: int) -> None:
+        with self._lock:
+            self._last = max(self._last, ns)
 
 
 def chunk_digest(key: ChunkKey) -> str:

@@ -7,8 +7,11 @@ failing its checksum (a torn write) — is free. A file that is not a slab goes 
 
 Two copies of one chunk can be found after a crash (an overwrite cut between writing the new
 copy and invalidating the old one; a put of a chunk still held in an old per-chunk file).
-:func:`resolve` keeps the newest (write time, then slot over file, then generation) and names
-the others, which the tier invalidates (slots) or removes (files) so they never come back.
+:func:`resolve` keeps the newest and names the others, which the tier invalidates (slots) or
+removes (files) so they never come back. Two slots are ordered by generation alone (a counter
+kept above every generation on disk, so a wall clock that steps back cannot make an older
+copy win); the newest slot and a chunk file by write time (``WriteClock``: also kept above
+every time found on disk), then slot over file.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ class Rebuilt:
     temp_removed: int
     slots_invalid: int
     stale: int
+    #: chunks whose file lost to a slot: the tier removes the file while the slot is still
+    #: the chunk's copy (a put while the rebuild ran may have renamed a new file there)
+    stale_files: list[ChunkKey] = field(default_factory=list)
 
 
 def rebuild(
@@ -80,19 +86,18 @@ def rebuild(
 ) -> Rebuilt:
     """Blocking, at start: scan the chunk files (``_nvme_scan``) and the slab files, keep the
     newest copy of each chunk (:func:`resolve`; ``known``: chunks written since the tier
-    opened) and drop the stale ones (slots invalidated, files removed; a failure is logged and
-    the copy loses again at the next start)."""
+    opened) and invalidate the stale slots (a failure is logged and the copy loses again at
+    the next start); the stale files are named, for the tier to remove."""
     root = files.root
     keep = {".kvstrata-probe", SYNC_MARKER}
     shard_results, moved = scan_all(root, shards, frozenset(files.in_flight), threads, keep)
     slab_results = scan_slabs(slabs, root, threads)
     found = [item for shard in shard_results for item in shard.found]
     slots = [slot for slab in slab_results for slot in slab.found]
+    files.clock.at_least(max([w for _, w in found] + [s.written_ns for s in slots], default=0))
     kept = resolve(found, slots, known, known_slots)
     for ref in kept.stale_slots:
         _quietly(slabs.invalidate, ref)
-    for key in kept.stale_files:
-        _quietly(files.delete, key)
     return Rebuilt(
         kept.files,
         kept.slots,
@@ -102,6 +107,7 @@ def rebuild(
         sum(s.temp_removed for s in shard_results),
         sum(s.invalid for s in slab_results),
         len(kept.stale_slots) + len(kept.stale_files),
+        kept.stale_files,
     )
 
 
@@ -137,7 +143,7 @@ def scan_slab(slabs: Slabs, root: str, number: int) -> SlabScan:
             free.append(slot)
             result.invalid += found
     free.reverse()  # the allocator pops from the end: lowest slots first
-    slabs.adopt(slab, free)
+    slabs.adopt(slab, free, max((f.ref.generation for f in result.found), default=0))
     return result
 
 
@@ -206,11 +212,19 @@ def resolve(
             stale_files.append(meta.key)
         elif meta.key not in known:
             offer(meta.key, (written, 0, 0), meta)
+    newest: dict[ChunkKey, SlotFound] = {}
     for found in slots:
+        held_slot = newest.get(found.meta.key)
         if found.meta.key in known:
             stale_slots.append(found.ref)
+        elif held_slot is None or found.ref.generation > held_slot.ref.generation:
+            newest[found.meta.key] = found
+            if held_slot is not None:
+                stale_slots.append(held_slot.ref)
         else:
-            offer(found.meta.key, (found.written_ns, 1, found.ref.generation), found)
+            stale_slots.append(found.ref)
+    for found in newest.values():
+        offer(found.meta.key, (found.written_ns, 1, found.ref.generation), found)
     kept = [item for _, item in best.values()]
     return Resolved(
         [m for m in kept if isinstance(m, ChunkMeta)],

@@ -13,8 +13,9 @@ size class (:data:`CLASSES`, the smallest that holds the payload). One slab file
 size and grows in steps of about :data:`GROW_BYTES` (``fallocate``) up to ``slab_bytes``.
 
 Guarantees, as with chunk files: header and payload checksums (a slot that fails either is
-never served: it becomes free); every new write gets a generation above every other (two
-valid slots naming one chunk after a crash: the higher wins, the other is invalidated); a
+never served: it becomes free); every new write gets a generation above every other, those
+found on disk at start included (two valid slots naming one chunk after a crash: the higher
+wins, the other is invalidated; the wall clock, which may step back, does not decide); a
 delete or the replaced copy of an overwrite is invalidated on disk (its header block zeroed)
 before its slot is reused, so a restart cannot bring it back. Free slots live in memory only,
 rebuilt at start by reading every slot header (``_nvme_slab_scan``).
@@ -29,7 +30,13 @@ import time
 from dataclasses import dataclass
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
-from kvstrata.tiers._nvme_format import HEADER_SIZE, BadHeader, decode_header, encode_header
+from kvstrata.tiers._nvme_format import (
+    HEADER_SIZE,
+    BadHeader,
+    WriteClock,
+    decode_header,
+    encode_header,
+)
 from kvstrata.tiers._nvme_io import _O_DIRECT, Backend, _staging
 from kvstrata.tiers.base import IntegrityError
 from kvstrata.tiers.checksum import checksum
@@ -117,9 +124,16 @@ class Slabs:
     allocator's lock is held only in those threads, never across an ``await``."""
 
     def __init__(
-        self, root: str, backend: Backend, limit: int, slab_bytes: int, fsync: str
+        self,
+        root: str,
+        backend: Backend,
+        limit: int,
+        slab_bytes: int,
+        fsync: str,
+        clock: WriteClock | None = None,
     ) -> None:
         self.folder = os.path.join(root, SLAB_DIR)
+        self.clock = clock or WriteClock()
         self.fsync = fsync
         self.backend = backend
         self.limit = limit
@@ -195,15 +209,16 @@ class Slabs:
             slab.grown += n
             return
 
-    def adopt(self, slab: Slab, free: list[int]) -> None:
-        """Take a slab file read at start, with its free slots; one with room to grow serves
-        new slots of its size unless a slab made since start already does."""
+    def adopt(self, slab: Slab, free: list[int], generation: int = 0) -> None:
+        """Take a slab file read at start, with its free slots and the highest generation
+        found in it (new writes get higher ones, whatever the wall clock says); one with room
+        to grow serves new slots of its size unless a slab made since start already does."""
         with self._lock:
             self.slabs[slab.number] = slab
             if slab.grown < slab.max_slots:
                 self._growing.setdefault(slab.slot_size, slab)
             self._free.setdefault(slab.slot_size, []).extend((slab.number, i) for i in free)
-            self._generation = max(self._generation, time.time_ns())
+            self._generation = max(self._generation, generation)
 
     def release(self, ref: SlotRef) -> None:
         """Make an invalidated (or never published) slot free again."""
@@ -226,7 +241,7 @@ class Slabs:
         stored = ChunkMeta(meta.key, meta.parent, meta.tokens, meta.size, csum, meta.codec)
         ref = self._allocate(self.slot_size(meta.size))
         slab = self.slabs[ref.slab]
-        header = encode_header(stored, csum, time.time_ns(), ref.generation)
+        header = encode_header(stored, csum, self.clock.now(), ref.generation)
         try:
             self.backend.write_at(slab.fd, slab.path, ref.offset, header, payload)
             if sync:

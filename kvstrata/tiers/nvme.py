@@ -32,8 +32,9 @@ import errno
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_slab_scan
 from kvstrata.tiers._nvme_config import NvmeConfig, prepare_folder
 from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt, unlink_quietly
-from kvstrata.tiers._nvme_format import file_bytes
+from kvstrata.tiers._nvme_format import WriteClock, file_bytes
 from kvstrata.tiers._nvme_io import PosixBackend, choose_backend
 from kvstrata.tiers._nvme_scan import QUARANTINE, RebuildReport
 from kvstrata.tiers._nvme_slabs import SLAB_DIR, Slabs, SlotMismatch, SlotRef
@@ -82,9 +83,10 @@ class NvmeTier(Tier):
         self.root = str(Path(config.path).absolute())
         prepare_folder(self.root, [*SHARDS, QUARANTINE, SLAB_DIR])
         self.backend, self.backend_reason = choose_backend(self.root, config.backend, config.direct)
-        self._files = ChunkFiles(self.root, self.backend, config.fsync)
+        clock = WriteClock()  # one for both layouts: a file and a slot of one chunk compare
+        self._files = ChunkFiles(self.root, self.backend, config.fsync, clock)
         self._slabs = Slabs(
-            self.root, self.backend, config.slab_max, config.slab_bytes, config.fsync
+            self.root, self.backend, config.slab_max, config.slab_bytes, config.fsync, clock
         )
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstrata-nvme")
         self._group = None
@@ -175,12 +177,20 @@ class NvmeTier(Tier):
                 await self._group_sync(meta.key, fd)
             return stored, None
         always = self.config.fsync == "always"
-        stored, ref = await self._run(self._slabs.write, meta, payload, always)
+        stored, ref = await self._run(
+            self._slabs.write, meta, payload, always, undo=lambda done: self._slabs.discard(done[1])
+        )
         if self._group is not None:
             try:
                 await self._slot_sync(ref)
             except TierIOError:
                 await self._run_quietly(self._slabs.discard, ref)
+                raise
+            except asyncio.CancelledError:  # the put did not happen: its slot must not stay
+                try:
+                    self._pool.submit(self._slabs.discard, ref)
+                except RuntimeError:  # the pool is shut down (closing): here, then
+                    self._slabs.discard(ref)
                 raise
         return stored, ref
 
@@ -254,11 +264,12 @@ class NvmeTier(Tier):
                 return False
             self.stats.deletes += 1
             if ref is not None:
-                await self._run(self._slabs.invalidate, ref, self.config.fsync == "always")
+                always = self.config.fsync == "always"
+                await self._run(self._slabs.invalidate, ref, always, finish=True)
                 if self._group is not None:
                     await self._slot_sync(ref)
                 return True
-            await self._run(self._files.delete, key)
+            await self._run(self._files.delete, key, finish=True)
             if self._group is not None:
                 await self._group_sync(key, -1)
             return True
@@ -280,10 +291,14 @@ class NvmeTier(Tier):
             self._pool, _nvme_slab_scan.rebuild, self._files, self._slabs, SHARDS,
             max(SCAN_THREADS, self.config.io_threads), set(self._index), set(self._where),
         )  # fmt: skip
+        late = [m.key for m in rebuilt.files if m.key in self._index] + rebuilt.stale_files
+        late_slots = [s.ref for s in rebuilt.slots if s.meta.key in self._index]
         for meta in rebuilt.files:
-            self._index[meta.key] = meta
+            self._index.setdefault(meta.key, meta)
         for slot in rebuilt.slots:
-            self._index[slot.meta.key], self._where[slot.meta.key] = slot.meta, slot.ref
+            if slot.meta.key not in self._index:
+                self._index[slot.meta.key], self._where[slot.meta.key] = slot.meta, slot.ref
+        await self._drop_late(late, late_slots)
         self._used = sum(self._cost(m, self._where.get(k)) for k, m in self._index.items())
         self.stats.chunks = len(self._index)
         self.stats.extra["slots_invalid"] += rebuilt.slots_invalid
@@ -307,6 +322,20 @@ class NvmeTier(Tier):
         )  # fmt: skip
         for meta in found:
             yield meta
+
+    async def _drop_late(self, keys: list[ChunkKey], refs: list[SlotRef]) -> None:
+        """Drop the stale copies the start-up rebuild found: slots of chunks written while it
+        ran, and chunk files that lost to a slot — only while the chunk's copy is a slot (a
+        put while the rebuild ran may have renamed a new file over the stale one)."""
+        for ref in refs:
+            await self._run_quietly(self._slabs.invalidate, ref)
+        for key in keys:
+            await self._acquire(key)
+            try:
+                if key in self._where:
+                    await self._run_quietly(self._files.delete, key)
+            finally:
+                self._release(key)
 
     def info(self) -> dict[str, Any]:
         report = self.rebuild_report
@@ -395,11 +424,26 @@ class NvmeTier(Tier):
         self.stats.chunks = len(self._index)
         return True
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        """Run ``fn`` on the pool; OSError becomes a counted, logged TierIOError."""
+    async def _run(
+        self, fn: Any, *args: Any, finish: bool = False, undo: Callable[[Any], None] | None = None
+    ) -> Any:
+        """Run ``fn`` on the pool; OSError becomes a counted, logged TierIOError.
+
+        When the caller is cancelled (a shutdown cancelling background work) a job already
+        running goes on; ``finish``: one still queued runs too (invalidations and deletes: the
+        disk must end up agreeing with the index, or a restart brings a deleted chunk back);
+        ``undo`` gets the result of a job that still succeeds (a slot written for a put that
+        did not happen, invalidated then)."""
         self._check_open()  # close() shuts the pool down: a closed tier raises TierUnavailable
+        job = self._pool.submit(fn, *args)
+        waited = asyncio.wrap_future(job)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            return await (asyncio.shield(waited) if finish else waited)
+        except asyncio.CancelledError:
+            waited.add_done_callback(_retrieved)
+            if undo is not None:
+                job.add_done_callback(partial(_undo, undo))
+            raise
         except (FileNotFoundError, Corrupt, IntegrityError):
             raise
         except OSError as exc:
@@ -436,7 +480,7 @@ class NvmeTier(Tier):
     async def _run_quietly(self, fn: Any, *args: Any) -> None:
         """Run clean-up work whose failure is counted and logged (``_run``) but not raised."""
         try:
-            await self._run(fn, *args)
+            await self._run(fn, *args, finish=True)
         except (TierIOError, TierUnavailable):
             pass
 
@@ -457,6 +501,22 @@ class NvmeTier(Tier):
         self.last_error = f"{errno.errorcode.get(exc.errno or 0, 'EIO')}: {exc.strerror}"
         log.warning("nvme: %s failed: %s", what, self.last_error)
         return TierIOError(f"nvme: {self.last_error}")
+
+
+def _retrieved(waited: asyncio.Future[Any]) -> None:
+    """Consume the outcome of a job its caller stopped waiting for (no "never retrieved")."""
+    if not waited.cancelled():
+        waited.exception()
+
+
+def _undo(undo: Callable[[Any], None], job: Future[Any]) -> None:
+    """Run ``undo`` on the result of a job whose caller was cancelled, if it succeeded."""
+    if job.cancelled() or job.exception() is not None:
+        return
+    try:
+        undo(job.result())
+    except OSError as exc:
+        log.warning("nvme: undoing a cancelled write failed: %s", exc)
 
 
 # Registered by call rather than as a decorator so that type checkers keep the class type.
