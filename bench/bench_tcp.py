@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import random
 import socket
 import statistics
 import sys
@@ -120,14 +121,22 @@ class RawPut:
 
 
 def alternate(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Median seconds of each function, called in turn round after round (after a warm-up)."""
+    """Median seconds of each function, called in turn round after round (after a warm-up).
+
+    The order is shuffled each round (seeded): whoever runs right after a peer's large transfer
+    pays for the peer's clean-up (redis-server freeing its 32 MiB reply on one of the two
+    cores), and with a fixed order (or a rotation, which keeps neighbours) that was always the
+    same contender, at half speed whichever it was."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    order = random.Random(15)
     for _ in range(rounds):
-        for name, fn in fns.items():
+        order.shuffle(names)
+        for name in names:
             t = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - t)
     return {name: statistics.median(t) for name, t in times.items()}
 
