@@ -3,8 +3,8 @@
     python bench/bench_tcp.py [--rounds 7] [--sizes 1,8,32]
 
 For each chunk size every contender moves the same ``--batch`` bytes per call (whole chunks), and
-the contenders run in turn round after round (these shared VMs drift from second to second), so
-each median is taken under the same machine state as its peers:
+the contenders run in turn round after round, in a shuffled order (these shared VMs drift from
+second to second), so each median is taken under the same machine state as its peers:
 
 - loopback limit: a plain socket server process; ``sendall`` of the chunk, ``recv_into`` a
   preallocated buffer on the other side (get direction), and the reverse (put direction);
@@ -14,7 +14,10 @@ each median is taken under the same machine state as its peers:
 - redis-server ``SET``/``GET`` through redis-py;
 - with ``--compare CHECKOUT``: the same kvstrata rows against a second server running another
   checkout's code (e.g. ``/work/main``), driven by this checkout's client, so a change to the
-  server is measured before and after under the same machine state.
+  server is measured before and after under the same machine state. Read the after/before
+  ratios from such a run, and the targets from a run without it: two servers, their arenas
+  and two sets of 32 MiB buffers halved every kvstrata 32 MiB GET here (1.7 against 3.3 GB/s,
+  loopback 3.2 in both runs), whichever server it went to.
 
 Targets (issue 15, DESIGN.md), at 8–32 MiB: kvstrata put/get ≥ 0.8× the loopback limit, get ≥ 2×
 redis GET, put ≥ 1.5× redis SET.
