@@ -63,6 +63,10 @@ typedef struct {
     PyObject_HEAD
     PyObject *keyspace, *strings, *cmdstats, *entry_type, *stat_type;
     Py_ssize_t large_value, entry_overhead;
+    /* the stores' containers, created once and changed in place, never rebound: keyspace._data,
+     * strings._lru, cmdstats.commands, and strings.config.values (NULL when not a dict: the
+     * `limit` property is asked) */
+    PyObject *data, *lru, *commands, *values;
     /* where StringEntry keeps `value` and `expire_at` and CommandStat `calls` and `seconds`
      * (their __slots__); -1: use getattr */
     Py_ssize_t value_at, expire_at, calls_at, seconds_at;
@@ -114,9 +118,32 @@ static void fp_dealloc(FastPath *self) {
     Py_XDECREF(self->cmdstats);
     Py_XDECREF(self->entry_type);
     Py_XDECREF(self->stat_type);
+    Py_XDECREF(self->data);
+    Py_XDECREF(self->lru);
+    Py_XDECREF(self->commands);
+    Py_XDECREF(self->values);
     Py_XDECREF(self->expire_default);
     Py_XDECREF(self->type_name_default);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int init_containers(FastPath *self) {
+    Py_XSETREF(self->data, PyObject_GetAttr(self->keyspace, s_data));
+    Py_XSETREF(self->lru, PyObject_GetAttr(self->strings, s_lru));
+    Py_XSETREF(self->commands, PyObject_GetAttr(self->cmdstats, s_commands));
+    if (PyErr_Occurred()) return -1;
+    if (!PyDict_Check(self->data) || !PyDict_Check(self->lru) ||
+        !PyDict_Check(self->commands)) {
+        PyErr_SetString(PyExc_TypeError, "unexpected store layout");
+        return -1;
+    }
+    PyObject *config = PyObject_GetAttr(self->strings, s_config);
+    PyObject *values = config == NULL ? NULL : PyObject_GetAttr(config, s_values);
+    Py_XDECREF(config);
+    if (values == NULL) return -1;
+    if (!PyDict_CheckExact(values)) Py_CLEAR(values);
+    Py_XSETREF(self->values, values);
+    return 0;
 }
 
 /* Whether StringEntry is simple enough to build without __init__ (see FastPath above). */
@@ -179,6 +206,7 @@ static int fp_init(FastPath *self, PyObject *args, PyObject *kw) {
     self->calls_at = slot_offset(ct, s_calls);
     self->seconds_at = slot_offset(ct, s_seconds);
     if (PyErr_Occurred()) return -1;
+    if (init_containers(self) < 0) return -1;
     return init_new_entry(self);
 }
 
@@ -224,15 +252,11 @@ static long long config_int(PyObject *values, PyObject *name) {
 /* StringStore.limit (the Python property is the reference): its two config values read
  * straight from strings.config.values when they are plain ints, else the property itself. */
 static long long read_limit(FastPath *fp) {
-    PyObject *config = PyObject_GetAttr(fp->strings, s_config);
-    PyObject *values = config == NULL ? NULL : PyObject_GetAttr(config, s_values);
-    Py_XDECREF(config);
     long long limit = -2;
-    if (values != NULL && PyDict_CheckExact(values)) {
-        limit = config_int(values, s_maxmemory);
-        if (limit == 0) limit = config_int(values, s_dram_capacity);
+    if (fp->values != NULL) {
+        limit = config_int(fp->values, s_maxmemory);
+        if (limit == 0) limit = config_int(fp->values, s_dram_capacity);
     }
-    Py_XDECREF(values);
     if (PyErr_Occurred()) return -1;
     return limit >= 0 ? limit : get_ll(fp->strings, s_limit);
 }
@@ -432,11 +456,8 @@ static int write_back(FastPath *fp, Run *run) {
     if (add_count(fp->keyspace, -1, s_misses, run->misses) < 0) return -1;
     for (int c = 0; c < N_CMDS; c++) {
         if (run->calls[c] == 0) continue;
-        PyObject *commands = PyObject_GetAttr(fp->cmdstats, s_commands);
-        if (commands == NULL) return -1;
-        PyObject *stat = PyDict_GetItemWithError(commands, s_names[c]);
+        PyObject *stat = PyDict_GetItemWithError(fp->commands, s_names[c]);
         Py_XINCREF(stat);
-        Py_DECREF(commands);
         if (stat == NULL) {
             if (PyErr_Occurred()) return -1;
             stat = PyObject_CallMethodOneArg(fp->cmdstats, s_stat, s_names[c]);
@@ -554,12 +575,8 @@ static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
     Out o = {NULL, 0, 0};
     PyObject *slow_hit = NULL, *result = NULL;
     int last = -1;
-    run.data = PyObject_GetAttr(fp->keyspace, s_data);
-    run.lru = run.data == NULL ? NULL : PyObject_GetAttr(fp->strings, s_lru);
-    if (run.lru == NULL || !PyDict_Check(run.data) || !PyDict_Check(run.lru)) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "unexpected store layout");
-        goto fail;
-    }
+    run.data = fp->data;  /* borrowed: the FastPath holds them */
+    run.lru = fp->lru;
     Py_ssize_t executed = run_commands(fp, &run, (const char *)view.buf, &pos, end, &lim, &o,
                                        &last, &slow_hit);
     if (run.failed)  /* reported (sys.unraisablehook); the Python path runs it again and
@@ -574,8 +591,6 @@ static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
     result = result_tuple(pos, executed, last, slow_hit);
 fail:
     Py_XDECREF(slow_hit);
-    Py_XDECREF(run.data);
-    Py_XDECREF(run.lru);
     PyMem_Free(o.buf);
     PyBuffer_Release(&view);
     return result;
