@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -393,6 +394,57 @@ def test_resp3_null_and_maxmemory(compiled: tuple[FakeServer, Any]) -> None:
     srv.config.values["maxmemory"] = 100
     assert run(fast, cmd("SET", "k", "x" * 10))[1] == 1
     assert run(fast, cmd("SET", "k2", "x" * 30))[1] == 0  # over maxmemory: Python evicts
+
+
+@pytest.mark.parametrize(
+    ("maxmemory", "capacity"), [(0, 100), (100, 1 << 30), ("100", 1 << 30), (0, "100")]
+)
+def test_set_reads_the_limit_of_the_string_store(
+    compiled: tuple[FakeServer, Any], maxmemory: Any, capacity: Any
+) -> None:
+    """The C path reads StringStore.limit's two config values itself when they are ints, and
+    asks the property otherwise: either way a SET that would go over it goes to Python."""
+    srv, fast = compiled
+    srv.config.values.update({"maxmemory": maxmemory, "dram-capacity": capacity})
+    assert srv.strings.limit == 100
+    assert run(fast, cmd("SET", "k", "x" * 10))[1] == 1
+    assert run(fast, cmd("SET", "k2", "x" * 30))[1] == 0
+
+
+def test_set_builds_and_replaces_entries_as_python_does(compiled: tuple[FakeServer, Any]) -> None:
+    """A new key gets a complete StringEntry (built without its __init__); a replacement of
+    the same size keeps the LRU's cost and `used`, and moves the key to the LRU's end."""
+    srv, fast = compiled
+    assert run(fast, cmd("SET", "a", "12") + cmd("SET", "b", "34"))[1] == 2
+    entry = srv.keyspace.lookup(b"a")
+    assert entry == StringEntry(b"12") and type(entry) is StringEntry
+    assert (srv.strings.used, list(srv.strings._lru.items())) == (134, [(b"a", 67), (b"b", 67)])
+    assert run(fast, cmd("SET", "a", "56"))[1] == 1
+    assert srv.keyspace.lookup(b"a") == StringEntry(b"56")
+    assert (srv.strings.used, list(srv.strings._lru.items())) == (134, [(b"b", 67), (b"a", 67)])
+    assert run(fast, cmd("SET", "b", "7"))[1] == 1
+    assert (srv.strings.used, list(srv.strings._lru.items())) == (133, [(b"a", 67), (b"b", 66)])
+
+
+@dataclass(slots=True)
+class _WiderEntry:
+    value: bytes | bytearray
+    expire_at: int | None = None
+    type_name: str = "string"
+    extra: list[int] = field(default_factory=list)
+
+
+def test_other_entry_types_are_built_by_calling_them(compiled: tuple[FakeServer, Any]) -> None:
+    """An entry type with more than StringEntry's three slots is built through its __init__
+    (a default_factory must give each entry its own list)."""
+    srv, _ = compiled
+    fast = fastpath._ext.FastPath(
+        srv.keyspace, srv.strings, srv.cmdstats, _WiderEntry, CommandStat, 1 << 16, 64
+    )
+    assert run(fast, cmd("SET", "a", "1") + cmd("SET", "b", "2"))[1] == 2
+    a, b = srv.keyspace.lookup(b"a"), srv.keyspace.lookup(b"b")
+    assert isinstance(a, _WiderEntry) and isinstance(b, _WiderEntry)
+    assert (a.value, a.extra, b.value) == (b"1", [], b"2") and a.extra is not b.extra
 
 
 class _Chunk:

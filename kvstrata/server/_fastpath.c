@@ -63,13 +63,23 @@ typedef struct {
     PyObject_HEAD
     PyObject *keyspace, *strings, *cmdstats, *entry_type, *stat_type;
     Py_ssize_t large_value, entry_overhead;
+    /* the stores' containers, created once and changed in place, never rebound: keyspace._data,
+     * strings._lru, cmdstats.commands, and strings.config.values (NULL when not a dict: the
+     * `limit` property is asked) */
+    PyObject *data, *lru, *commands, *values;
     /* where StringEntry keeps `value` and `expire_at` and CommandStat `calls` and `seconds`
      * (their __slots__); -1: use getattr */
     Py_ssize_t value_at, expire_at, calls_at, seconds_at;
+    /* a new StringEntry without its Python __init__: when the type holds exactly the slots
+     * value, expire_at, type_name (nothing else, no __dict__), its other two are set to what
+     * entry_type(b"") gave them at bind time; type_name_at -1: call entry_type(value) */
+    Py_ssize_t type_name_at;
+    PyObject *expire_default, *type_name_default;
 } FastPath;
 
 static PyObject *s_data, *s_lru, *s_value, *s_expire_at, *s_hits, *s_misses, *s_used, *s_limit,
-    *s_move_to_end, *s_bind, *s_commands, *s_stat, *s_calls, *s_seconds, *s_names[N_CMDS];
+    *s_move_to_end, *s_bind, *s_commands, *s_stat, *s_calls, *s_seconds, *s_config, *s_values,
+    *s_maxmemory, *s_dram_capacity, *s_type_name, *s_names[N_CMDS];
 
 /* The offset of a __slots__ attribute of type tp (a member descriptor), -1 if it is not one. */
 static Py_ssize_t slot_offset(PyObject *tp, PyObject *name) {
@@ -108,7 +118,70 @@ static void fp_dealloc(FastPath *self) {
     Py_XDECREF(self->cmdstats);
     Py_XDECREF(self->entry_type);
     Py_XDECREF(self->stat_type);
+    Py_XDECREF(self->data);
+    Py_XDECREF(self->lru);
+    Py_XDECREF(self->commands);
+    Py_XDECREF(self->values);
+    Py_XDECREF(self->expire_default);
+    Py_XDECREF(self->type_name_default);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int init_containers(FastPath *self) {
+    Py_XSETREF(self->data, PyObject_GetAttr(self->keyspace, s_data));
+    Py_XSETREF(self->lru, PyObject_GetAttr(self->strings, s_lru));
+    Py_XSETREF(self->commands, PyObject_GetAttr(self->cmdstats, s_commands));
+    if (PyErr_Occurred()) return -1;
+    if (!PyDict_Check(self->data) || !PyDict_Check(self->lru) ||
+        !PyDict_Check(self->commands)) {
+        PyErr_SetString(PyExc_TypeError, "unexpected store layout");
+        return -1;
+    }
+    PyObject *config = PyObject_GetAttr(self->strings, s_config);
+    PyObject *values = config == NULL ? NULL : PyObject_GetAttr(config, s_values);
+    Py_XDECREF(config);
+    if (values == NULL) return -1;
+    if (!PyDict_CheckExact(values)) Py_CLEAR(values);
+    Py_XSETREF(self->values, values);
+    return 0;
+}
+
+/* Whether StringEntry is simple enough to build without __init__ (see FastPath above). */
+static int init_new_entry(FastPath *self) {
+    PyTypeObject *tp = (PyTypeObject *)self->entry_type;
+    self->type_name_at = -1;
+    Py_CLEAR(self->expire_default);
+    Py_CLEAR(self->type_name_default);
+    Py_ssize_t at = slot_offset(self->entry_type, s_type_name);
+    if (PyErr_Occurred()) PyErr_Clear();  /* no such attribute: not this kind of type */
+    if (at < 0 || self->value_at < 0 || self->expire_at < 0 || tp->tp_dictoffset != 0 ||
+        tp->tp_basicsize != (Py_ssize_t)(sizeof(PyObject) + 3 * sizeof(PyObject *)) ||
+        tp->tp_itemsize != 0)
+        return 0;
+    PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
+    PyObject *probe = empty == NULL ? NULL : PyObject_CallOneArg(self->entry_type, empty);
+    Py_XDECREF(empty);
+    if (probe == NULL) return -1;
+    if (Py_TYPE(probe) == tp) {
+        self->expire_default = slot_get(probe, self->expire_at, s_expire_at);
+        self->type_name_default = slot_get(probe, at, s_type_name);
+        if (self->expire_default != NULL && self->type_name_default != NULL)
+            self->type_name_at = at;
+    }
+    Py_DECREF(probe);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* entry_type(value) as a new reference */
+static PyObject *new_entry(FastPath *fp, PyObject *value) {
+    if (fp->type_name_at < 0) return PyObject_CallOneArg(fp->entry_type, value);
+    PyTypeObject *tp = (PyTypeObject *)fp->entry_type;
+    PyObject *e = tp->tp_alloc(tp, 0);
+    if (e == NULL) return NULL;
+    slot_set(e, fp->value_at, s_value, value);
+    slot_set(e, fp->expire_at, s_expire_at, fp->expire_default);
+    slot_set(e, fp->type_name_at, s_type_name, fp->type_name_default);
+    return e;
 }
 
 static int fp_init(FastPath *self, PyObject *args, PyObject *kw) {
@@ -133,7 +206,8 @@ static int fp_init(FastPath *self, PyObject *args, PyObject *kw) {
     self->calls_at = slot_offset(ct, s_calls);
     self->seconds_at = slot_offset(ct, s_seconds);
     if (PyErr_Occurred()) return -1;
-    return 0;
+    if (init_containers(self) < 0) return -1;
+    return init_new_entry(self);
 }
 
 /* Per-run state: counters written back to the Python objects once, at the end. */
@@ -146,7 +220,6 @@ typedef struct {
     long long used;   /* StringStore.used, read when first needed, written back at the end */
     int used_read, used_dirty;
     int failed;  /* a command raised: reported, and left to the Python path */
-    PyObject *move_to_end;  /* the LRU's bound move_to_end, got when first needed */
 } Run;
 
 /* 1: the entry is a plain string without a TTL (the cases handled here); 0: not; -1 error */
@@ -167,6 +240,27 @@ static long long get_ll(PyObject *obj, PyObject *name) {
     return r;
 }
 
+/* values[name] when it is an int (not a subclass) that fits; -2 when not (no error set) */
+static long long config_int(PyObject *values, PyObject *name) {
+    PyObject *v = PyDict_GetItemWithError(values, name);  /* borrowed */
+    if (v == NULL || !PyLong_CheckExact(v)) return -2;
+    long long r = PyLong_AsLongLong(v);
+    if (r < 0) { PyErr_Clear(); return -2; }
+    return r;
+}
+
+/* StringStore.limit (the Python property is the reference): its two config values read
+ * straight from strings.config.values when they are plain ints, else the property itself. */
+static long long read_limit(FastPath *fp) {
+    long long limit = -2;
+    if (fp->values != NULL) {
+        limit = config_int(fp->values, s_maxmemory);
+        if (limit == 0) limit = config_int(fp->values, s_dram_capacity);
+    }
+    if (PyErr_Occurred()) return -1;
+    return limit >= 0 ? limit : get_ll(fp->strings, s_limit);
+}
+
 static int set_used(FastPath *fp, long long used) {
     PyObject *v = PyLong_FromLongLong(used);
     if (v == NULL) return -1;
@@ -182,13 +276,9 @@ static int sync_used(FastPath *fp, Run *run) {
     return set_used(fp, run->used);
 }
 
-/* lru.move_to_end(key) */
+/* lru.move_to_end(key) (a method call without a bound-method object) */
 static int touch(Run *run, PyObject *key) {
-    if (run->move_to_end == NULL) {
-        run->move_to_end = PyObject_GetAttr(run->lru, s_move_to_end);
-        if (run->move_to_end == NULL) return -1;
-    }
-    PyObject *r = PyObject_CallOneArg(run->move_to_end, key);
+    PyObject *r = PyObject_CallMethodOneArg(run->lru, s_move_to_end, key);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
@@ -238,7 +328,7 @@ done:
 static int do_set(FastPath *fp, Run *run, const Arg *argv, Out *o) {
     if (argv[2].n >= fp->large_value) return 0;
     if (run->limit < 0) {
-        run->limit = get_ll(fp->strings, s_limit);
+        run->limit = read_limit(fp);
         if (run->limit < 0) return PyErr_Occurred() ? -1 : 0;
     }
     if (!run->used_read) {
@@ -262,19 +352,22 @@ static int do_set(FastPath *fp, Run *run, const Arg *argv, Out *o) {
         long long was = PyLong_AsLongLong(before);
         if (was == -1 && PyErr_Occurred()) { rc = -1; goto done; }
         value = PyBytes_FromStringAndSize(argv[2].p, argv[2].n);
-        pycost = PyLong_FromLongLong(cost);
-        if (value == NULL || pycost == NULL || PyObject_SetItem(run->lru, key, pycost) < 0) {
-            rc = -1; goto done;
+        if (value == NULL) { rc = -1; goto done; }
+        if (cost != was) {  /* an equal cost: the LRU and `used` stay as they are */
+            pycost = PyLong_FromLongLong(cost);
+            if (pycost == NULL || PyObject_SetItem(run->lru, key, pycost) < 0) {
+                rc = -1; goto done;
+            }
+            run->used += cost - was;  /* with the LRU's new cost: consistent if touch fails */
+            run->used_dirty = 1;
         }
-        run->used += cost - was;  /* with the LRU's new cost: consistent if touch fails */
-        run->used_dirty = 1;
         if (touch(run, key) < 0) { rc = -1; goto done; }
         rc = slot_set(entry, fp->value_at, s_value, value) < 0 ? -1 : 1;
     } else {
         value = PyBytes_FromStringAndSize(argv[2].p, argv[2].n);
         pycost = PyLong_FromLongLong(cost);
         if (value == NULL || pycost == NULL) { rc = -1; goto done; }
-        PyObject *fresh = PyObject_CallOneArg(fp->entry_type, value);
+        PyObject *fresh = new_entry(fp, value);
         if (fresh == NULL || sync_used(fp, run) < 0) { Py_XDECREF(fresh); rc = -1; goto done; }
         run->used_read = 0;  /* _bind changes it */
         PyObject *r = PyObject_CallMethodObjArgs(fp->strings, s_bind, key, fresh, pycost, NULL);
@@ -363,11 +456,8 @@ static int write_back(FastPath *fp, Run *run) {
     if (add_count(fp->keyspace, -1, s_misses, run->misses) < 0) return -1;
     for (int c = 0; c < N_CMDS; c++) {
         if (run->calls[c] == 0) continue;
-        PyObject *commands = PyObject_GetAttr(fp->cmdstats, s_commands);
-        if (commands == NULL) return -1;
-        PyObject *stat = PyDict_GetItemWithError(commands, s_names[c]);
+        PyObject *stat = PyDict_GetItemWithError(fp->commands, s_names[c]);
         Py_XINCREF(stat);
-        Py_DECREF(commands);
         if (stat == NULL) {
             if (PyErr_Occurred()) return -1;
             stat = PyObject_CallMethodOneArg(fp->cmdstats, s_stat, s_names[c]);
@@ -439,6 +529,26 @@ static Py_ssize_t run_commands(FastPath *fp, Run *run, const char *base, Py_ssiz
     return executed;
 }
 
+/* (pos, executed, last, slow_hit or None); steals nothing */
+static PyObject *result_tuple(Py_ssize_t pos, Py_ssize_t executed, int last, PyObject *slow) {
+    PyObject *t = PyTuple_New(4);
+    if (t == NULL) return NULL;
+    PyObject *items[3] = {PyLong_FromSsize_t(pos), PyLong_FromSsize_t(executed),
+                          PyLong_FromLong(last)};
+    for (int i = 0; i < 3; i++) {
+        if (items[i] == NULL) {
+            for (int j = i; j < 3; j++) Py_XDECREF(items[j]);
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, items[i]);
+    }
+    slow = slow ? slow : Py_None;
+    Py_INCREF(slow);
+    PyTuple_SET_ITEM(t, 3, slow);
+    return t;
+}
+
 static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
     if (fp->keyspace == NULL) {  /* FastPath.__new__ without __init__ */
         PyErr_SetString(PyExc_TypeError, "FastPath is not initialised");
@@ -465,12 +575,8 @@ static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
     Out o = {NULL, 0, 0};
     PyObject *slow_hit = NULL, *result = NULL;
     int last = -1;
-    run.data = PyObject_GetAttr(fp->keyspace, s_data);
-    run.lru = run.data == NULL ? NULL : PyObject_GetAttr(fp->strings, s_lru);
-    if (run.lru == NULL || !PyDict_Check(run.data) || !PyDict_Check(run.lru)) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "unexpected store layout");
-        goto fail;
-    }
+    run.data = fp->data;  /* borrowed: the FastPath holds them */
+    run.lru = fp->lru;
     Py_ssize_t executed = run_commands(fp, &run, (const char *)view.buf, &pos, end, &lim, &o,
                                        &last, &slow_hit);
     if (run.failed)  /* reported (sys.unraisablehook); the Python path runs it again and
@@ -482,12 +588,9 @@ static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
         if (bytes == NULL || PyList_Append(args[3], bytes) < 0) { Py_XDECREF(bytes); goto fail; }
         Py_DECREF(bytes);
     }
-    result = Py_BuildValue("(nniO)", pos, executed, last, slow_hit ? slow_hit : Py_None);
+    result = result_tuple(pos, executed, last, slow_hit);
 fail:
     Py_XDECREF(slow_hit);
-    Py_XDECREF(run.data);
-    Py_XDECREF(run.lru);
-    Py_XDECREF(run.move_to_end);
     PyMem_Free(o.buf);
     PyBuffer_Release(&view);
     return result;
@@ -532,6 +635,11 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     INTERN(s_stat, "_stat");
     INTERN(s_calls, "calls");
     INTERN(s_seconds, "seconds");
+    INTERN(s_config, "config");
+    INTERN(s_type_name, "type_name");
+    INTERN(s_values, "values");
+    INTERN(s_maxmemory, "maxmemory");
+    INTERN(s_dram_capacity, "dram-capacity");
     for (int c = 0; c < N_CMDS; c++) INTERN(s_names[c], NAMES[c]);
     if (PyType_Ready(&FastPathType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);

@@ -55,7 +55,9 @@ AVAILABLE = _ext is not None
 
 
 def bind(server: Server) -> Any:
-    """The compiled path bound to ``server``'s stores, or None when it is not built."""
+    """The compiled path bound to ``server``'s stores, or None when it is not built. It keeps
+    their containers (``keyspace._data``, ``strings._lru``, ``cmdstats.commands``,
+    ``strings.config.values``): those are changed in place, never rebound."""
     if _ext is None:
         return None
     return _ext.FastPath(
