@@ -161,3 +161,12 @@ def wait_for(cond: Callable[[], bool], limit: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return cond()
+
+
+def cmd(*args: bytes | str) -> bytes:
+    """One command as a RESP multibulk, as clients send it."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        raw = a.encode() if isinstance(a, str) else a
+        out.append(b"$%d\r\n%b\r\n" % (len(raw), raw))
+    return b"".join(out)

@@ -24,17 +24,10 @@ from kvstrata.server.cmdstats import CommandStat
 from kvstrata.store.keyspace import StringEntry
 from tests.conftest import RunningServer
 from tests.fakectx import FakeServer
+from tests.fakes import cmd
 
 END = b"*2\r\n$4\r\nECHO\r\n$3\r\nEND\r\n"
 END_REPLY = b"$3\r\nEND\r\n"
-
-
-def cmd(*args: bytes | str) -> bytes:
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        raw = a.encode() if isinstance(a, str) else a
-        out.append(b"$%d\r\n%b\r\n" % (len(raw), raw))
-    return b"".join(out)
 
 
 class Session:

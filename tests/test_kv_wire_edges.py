@@ -10,16 +10,10 @@ import time
 import redis
 
 from tests.conftest import RunningServer
+from tests.fakes import cmd as resp
 
 NS = "edge@u8@c4"
 MiB = 1 << 20
-
-
-def resp(*args: bytes) -> bytes:
-    out = b"*%d\r\n" % len(args)
-    for a in args:
-        out += b"$%d\r\n%b\r\n" % (len(a), a)
-    return out
 
 
 def read_exactly(sock: socket.socket, n: int, timeout: float = 20) -> bytes:

@@ -23,18 +23,11 @@ from kvstrata.server import fastpath
 from kvstrata.server.connection import Connection
 from kvstrata.server.writeside import OUT_HIGH
 from tests.conftest import RunningServer
+from tests.fakes import cmd
 
 pytestmark = pytest.mark.skipif(
     not fastpath.AVAILABLE, reason="kvstrata.server._fastpath is not built (setup.py build_ext)"
 )
-
-
-def cmd(*args: bytes | str) -> bytes:
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        raw = a.encode() if isinstance(a, str) else a
-        out.append(b"$%d\r\n%b\r\n" % (len(raw), raw))
-    return b"".join(out)
 
 
 class FakeTransport:
