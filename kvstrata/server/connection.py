@@ -32,7 +32,8 @@ from kvstrata.protocol.errors import (
 from kvstrata.protocol.frames import NO_REPLY, Simple
 from kvstrata.server.admission import fmt_addr, refusal
 from kvstrata.server.context import ClientState
-from kvstrata.server.fastpath import MAX_OUT, NAMES, usable
+from kvstrata.server.fastpath import usable
+from kvstrata.server.fastread import FLUSH_PARTS, FastRead
 from kvstrata.server.intake import Intake, WithSinks, abort_sinks
 from kvstrata.server.pins import ReplyPins, release_now
 from kvstrata.server.writeside import WriteSide
@@ -48,13 +49,12 @@ QUEUE_AHEAD = 1024  # commands decoded ahead while the client does not read its 
 UNAUTH_MAX_BULK = 16 * 1024  # frame limits before AUTH (as Redis 7)
 UNAUTH_MAX_ARGS = 10
 JOIN_LIMIT = 64 * 1024  # replies up to this size are joined into one write
-FLUSH_PARTS = 48  # reply buffers gathered before they are handed to the transport
 _NO_SINKS: dict[int, Any] = {}
 #: as Redis: AUTH/HELLO and admin commands (CONFIG SET requirepass …) are not shown to MONITOR
 _NOT_MONITORED = frozenset({"no_auth", "admin"})
 
 
-class Connection(WriteSide, asyncio.BufferedProtocol):
+class Connection(FastRead, WriteSide, asyncio.BufferedProtocol):
     """Implements ``server.context.Ctx`` for the handlers."""
 
     def __init__(self, server: Server) -> None:
@@ -158,42 +158,6 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         else:
             self._run_lean(fast, values)
 
-    def _run_lean(self, fast: Any, values: dict[str, Any]) -> None:
-        """The lean path: a read of small commands on an idle connection (see buffer_updated)
-        runs on the compiled path and is answered with one write, doing what _process and
-        _flush would do for it without their general checks. Anything else, and whatever the
-        run leaves in the buffer, goes the general way."""
-        intake = self._in
-        out = self._out
-        if values["slowlog-log-slower-than"] != self._slow_micros:
-            self._slow_threshold(values)
-        pos, ran, last, slow = fast.run(
-            intake.buf, intake.start, intake.end, out, self._resp3, values["proto-max-bulk-len"],
-            values["max-multibulk-len"], self._slow, MAX_OUT,
-        )  # fmt: skip
-        if not ran:
-            self._process(declined=intake.start)
-            return
-        server, client = self.server, self.client
-        stats = server.stats
-        stats.total_commands_processed += ran
-        client.commands += ran
-        client.last_command = NAMES[last]
-        if slow is not None:
-            server.slowlog_record(slow[0], slow[1], client)
-        if pos != intake.end or len(out) != 1:  # a command for the Python path follows
-            intake.start = pos
-            if len(out) >= FLUSH_PARTS or len(out[-1]) >= MAX_OUT:
-                self._flush()  # lets the transport push back (pause_writing)
-            self._process()
-            return
-        intake.start = intake.end = 0
-        data = out.pop()
-        stats.total_net_output_bytes += len(data)
-        self.transport.write(data)  # type: ignore[union-attr]
-        if self._unsent:  # else no pins are pending (out was empty) and nothing is queued
-            self._after_write()
-
     def eof_received(self) -> bool:
         return False
 
@@ -280,38 +244,6 @@ class Connection(WriteSide, asyncio.BufferedProtocol):
         self._update_reading()
         if intake.yielded and not self._closing:  # a long command is parsed in slices
             asyncio.get_running_loop().call_soon(self._process)
-
-    def _slow_threshold(self, values: dict[str, Any]) -> float:
-        """The slow-log threshold in seconds (``self._slow``), recomputed when its setting
-        changed (the slow log itself exists or not for the server's life)."""
-        micros = values["slowlog-log-slower-than"]
-        if micros != self._slow_micros:
-            self._slow_micros = micros
-            self._slow = self.server.slowlog_threshold
-        return self._slow
-
-    def _run_fast(self, fast: Any, limits: tuple[int, int]) -> int:
-        """Run the leading buffered commands on the compiled path (kvstrata.server.fastpath);
-        how many it ran (0: the Python path decodes what follows)."""
-        intake = self._in
-        if self._busy or self._write_paused or intake.partial is not None:
-            return 0
-        if intake.start == intake.end or intake.receiving_payload:
-            return 0
-        out = self._out
-        pos, ran, last, slow = fast.run(
-            intake.buf, intake.start, intake.end, out, self._resp3, limits[0], limits[1],
-            self._slow, MAX_OUT,
-        )  # fmt: skip
-        if not ran:
-            return 0
-        intake.start = pos
-        self.client.last_command = NAMES[last]
-        if slow is not None:
-            self.server.slowlog_record(slow[0], slow[1], self.client)
-        if pos != intake.end and (len(out) >= FLUSH_PARTS or len(out[-1]) >= MAX_OUT):
-            self._flush()  # lets the transport push back (pause_writing)
-        return ran
 
     def _authenticated(self) -> bool:
         """Authenticated, or no password is required any more (CONFIG SET requirepass "")."""
