@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 from kvstrata.clients import commands as cmd
 from kvstrata.clients.aioconn import AsyncConnectionPool
@@ -91,7 +91,31 @@ class AsyncLease(LeaseBase):
         await self.release()
 
 
-class AsyncWriteLease(WriteLeaseBase):
+class _CommitOnExit:
+    """``async with``: commit on success (unless done already), abort on an exception."""
+
+    __slots__ = ()
+    done: bool
+
+    if TYPE_CHECKING:
+
+        async def commit(self) -> None: ...
+        async def abort(self) -> None: ...
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if et is None:
+            if not self.done:
+                await self.commit()
+        else:
+            await self.abort()
+
+
+class AsyncWriteLease(_CommitOnExit, WriteLeaseBase):
     """A reserved slot; ``async with`` commits on success and aborts on an exception."""
 
     __slots__ = ("_client",)
@@ -117,20 +141,8 @@ class AsyncWriteLease(WriteLeaseBase):
             self.done = True
             await self._client.abort(self.lease_id)
 
-    async def __aenter__(self) -> AsyncWriteLease:
-        return self
 
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if et is None:
-            if not self.done:
-                await self.commit()
-        else:
-            await self.abort()
-
-
-class AsyncWriteBatch(WriteBatchBase):
+class AsyncWriteBatch(_CommitOnExit, WriteBatchBase):
     """Reserved slots of a chain; ``async with`` commits them all on success and aborts them
     all on an exception."""
 
@@ -185,18 +197,6 @@ class AsyncWriteBatch(WriteBatchBase):
             await self._collect()
             if self.unpublished():
                 await self._client.abort(self._lease())
-
-    async def __aenter__(self) -> AsyncWriteBatch:
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if et is None:
-            if not self.done:
-                await self.commit()
-        else:
-            await self.abort()
 
 
 class AsyncPipeline(PipelineBase):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 from urllib.parse import unquote, urlparse
 
 from kvstrata.clients import commands as cmd
@@ -100,7 +100,31 @@ class Lease(LeaseBase):
         self.release()
 
 
-class WriteLease(WriteLeaseBase):
+class _CommitOnExit:
+    """``with``: commit on success (unless done already), abort on an exception."""
+
+    __slots__ = ()
+    done: bool
+
+    if TYPE_CHECKING:
+
+        def commit(self) -> None: ...
+        def abort(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if et is None:
+            if not self.done:
+                self.commit()
+        else:
+            self.abort()
+
+
+class WriteLease(_CommitOnExit, WriteLeaseBase):
     """A reserved slot; ``with`` commits it on success and aborts it on an exception."""
 
     __slots__ = ("_client",)
@@ -126,20 +150,8 @@ class WriteLease(WriteLeaseBase):
             self.done = True
             self._client.abort(self.lease_id)
 
-    def __enter__(self) -> WriteLease:
-        return self
 
-    def __exit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if et is None:
-            if not self.done:
-                self.commit()
-        else:
-            self.abort()
-
-
-class WriteBatch(WriteBatchBase):
+class WriteBatch(_CommitOnExit, WriteBatchBase):
     """Reserved slots of a chain (see :class:`~kvstrata.clients.leases.WriteBatchBase`);
     ``with`` commits them all on success and aborts them all on an exception."""
 
@@ -209,18 +221,6 @@ class WriteBatch(WriteBatchBase):
             self._collect()
             if self.unpublished():
                 self._client.abort(self._lease())
-
-    def __enter__(self) -> WriteBatch:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if et is None:
-            if not self.done:
-                self.commit()
-        else:
-            self.abort()
 
 
 class Pipeline(PipelineBase):
