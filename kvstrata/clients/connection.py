@@ -169,40 +169,18 @@ class SyncConnection:
         self, commands: Sequence[Sequence[Any]], outs: Sequence[OutSpec] | None = None
     ) -> list[Any]:
         """Send all commands, then read all replies (error replies are returned, not raised)."""
-        if self.closed:
-            raise ConnectionClosedError("connection is closed")
-        buffers: list[Any] = []
-        for cmd in commands:
-            buffers += command_buffers(cmd)
-        outs = list(outs) if outs is not None else [None] * len(commands)
-        if len(outs) != len(commands):
-            raise ValueError("one out per command")
-        try:
+        buffers, outs = self._prepare(commands, outs)
+        with self._closing_on_error():
             self._pending.extend(outs)
             self._sendall(buffers)
             return self._read(len(commands))
-        except (OSError, RespError) as exc:
-            self.close()
-            if isinstance(exc, RespError | TimeoutError):  # protocol error, socket timeout
-                raise
-            raise ConnectionClosedError(f"connection lost: {exc}") from exc
-        except BaseException:
-            self.close()  # e.g. KeyboardInterrupt mid-reply: the stream is out of step
-            raise
 
     def send(
         self, commands: Sequence[Sequence[Any]], outs: Sequence[OutSpec] | None = None
     ) -> None:
         """Send commands without reading their replies; :meth:`receive` reads them, in order
         (a write batch publishes chunks this way while it fills the next ones)."""
-        if self.closed:
-            raise ConnectionClosedError("connection is closed")
-        buffers: list[Any] = []
-        for cmd in commands:
-            buffers += command_buffers(cmd)
-        outs = list(outs) if outs is not None else [None] * len(commands)
-        if len(outs) != len(commands):
-            raise ValueError("one out per command")
+        buffers, outs = self._prepare(commands, outs)
         with self._closing_on_error():
             self._pending.extend(outs)
             self._sendall(buffers)
@@ -213,18 +191,32 @@ class SyncConnection:
         with self._closing_on_error():
             return self._read(count)
 
+    def _prepare(
+        self, commands: Sequence[Sequence[Any]], outs: Sequence[OutSpec] | None
+    ) -> tuple[list[Any], list[OutSpec]]:
+        """The buffers to send for ``commands``, and one out per command."""
+        if self.closed:
+            raise ConnectionClosedError("connection is closed")
+        buffers: list[Any] = []
+        for cmd in commands:
+            buffers += command_buffers(cmd)
+        outs = list(outs) if outs is not None else [None] * len(commands)
+        if len(outs) != len(commands):
+            raise ValueError("one out per command")
+        return buffers, outs
+
     @contextmanager
     def _closing_on_error(self) -> Iterator[None]:
-        """As in :meth:`pipeline`: a failed read or write leaves the stream out of step."""
+        """A failed read or write leaves the stream out of step: close the connection."""
         try:
             yield
         except (OSError, RespError) as exc:
             self.close()
-            if isinstance(exc, RespError | TimeoutError):
+            if isinstance(exc, RespError | TimeoutError):  # protocol error, socket timeout
                 raise
             raise ConnectionClosedError(f"connection lost: {exc}") from exc
         except BaseException:
-            self.close()
+            self.close()  # e.g. KeyboardInterrupt mid-reply
             raise
 
     def _sendall(self, buffers: list[Any]) -> None:
