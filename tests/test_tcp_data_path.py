@@ -145,10 +145,14 @@ def test_a_reply_held_in_the_send_buffer_keeps_its_chunk(server) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as slow:
         slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
         slow.sendall(b"*3\r\n$6\r\nKV.GET\r\n$%d\r\n%b\r\n$3\r\nold\r\n" % (len(NS), NS.encode()))
+        got = bytearray()
+        while b"\r\n" not in got:  # the reply has begun: the GET ran before the delete below
+            part = slow.recv(64)
+            assert part, "server closed the connection"
+            got += part
         wait_until(lambda: r.execute_command("KV.DEL", NS, b"old") == 1, what="the delete")
         for i in range(6):  # 6 × 12 MiB through a 64 MiB arena: the freed space is reused
             r.execute_command("KV.PUT", NS, b"new%d" % i, b"", bytes([i]) * (12 * MiB))
-        got = bytearray()
         while len(got) < len(want):
             part = slow.recv(1 << 20)
             assert part, "server closed the connection"
