@@ -8,8 +8,8 @@ Contenders, alternated round by round (the order rotates), medians of GB/s per c
 - kvstrata ``KV.MRESERVE`` of the n chunks + n copies + one ``KV.COMMIT`` (``reserve_chain``;
   2 round trips);
 - the same, the chunks published as soon as they are copied, in groups of ~4 MiB
-  (``WriteBatch.publish``: ``KV.COMMIT lease i…`` sent without waiting; the server checksums
-  one group while the client copies the next; the replies are read at the end);
+  (``WriteBatch.publish``: ``KV.COMMIT lease i…`` of each group; since issue 22 it waits for
+  its reply, so that a refusal is heard at once);
 - kvstrata ``KV.LEASE`` of the n chunks + n copies out + ``KV.RELEASE``;
 - LMCache MP server, as its vLLM worker adapter drives it (``EngineDrivenContextShm``): put =
   ``prepare_store`` + n copies into its slots + ``commit_store``; get = ``prepare_retrieve`` +
@@ -216,7 +216,7 @@ def main() -> None:
         if lmc is not None:
             lmc.close()
     print("Shared-memory put (kv chunk: RESERVE+COMMIT per chunk; kv batch: MRESERVE + one COMMIT;")
-    print("kv publish: MRESERVE + COMMIT of each chunk once copied, replies read at the end) and")
+    print("kv publish: MRESERVE + COMMIT of each chunk once copied, each reply awaited) and")
     print("get, n chunks per request (GB/s, medians of alternated rounds;")
     print("ratios: medians of the per-round ratios)")
     head = (f"{'MiB':>4} {'n':>3} {'memcpy':>7} {'kv chunk':>9} {'kv batch':>9} {'kv publish':>11}"

@@ -131,7 +131,7 @@ def test_fence_table_bounds_bytes_per_holder_and_ends_gone_holders() -> None:
             assert fences.end_gone() == 0
             open_["a"] = False
             assert fences.end_gone() == 1 and t.used == 0 and len(fences) == 0
-            assert not fences.end("L1")
+            assert not fences.end("L1", a)
         finally:
             await t.close()
 

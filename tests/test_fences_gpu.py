@@ -101,8 +101,11 @@ def test_expired_gpu_write_lease_late_write_and_refused_commit() -> None:
                 assert p is not None and bytes(p.view) == pattern(i)
                 if p.release is not None:
                     p.release()
+            with pytest.raises(LeaseError, match="no such lease"):
+                await store.commit(w.id)  # in-process: not the holder's
+            assert len(store.state.fences) == 1
             with pytest.raises(LeaseError, match="expired"):
-                await store.commit(w.id)
+                await store.commit(w.id, (), conn.holder)
             assert len(store.state.fences) == 0 and store.info(NS, b"W") is None
             assert not gpu.has(ChunkKey(NS, b"W"))
 

@@ -93,24 +93,24 @@ class RecordingClient:
     def __init__(self, log: list[Any]) -> None:
         self.log = log
 
-    def release(self, lease_id: Any) -> None:
+    def release(self, lease_id: Any, via: Any = None) -> None:
         self.log.append(("release", lease_id))
 
-    def commit(self, lease_id: Any) -> None:
+    def commit(self, lease_id: Any, via: Any = None) -> None:
         self.log.append(("commit", lease_id))
 
-    def abort(self, lease_id: Any) -> None:
+    def abort(self, lease_id: Any, via: Any = None) -> None:
         self.log.append(("abort", lease_id))
 
 
 class AsyncRecordingClient(RecordingClient):
-    async def release(self, lease_id: Any) -> None:  # type: ignore[override]
+    async def release(self, lease_id: Any, via: Any = None) -> None:  # type: ignore[override]
         self.log.append(("release", lease_id))
 
-    async def commit(self, lease_id: Any) -> None:  # type: ignore[override]
+    async def commit(self, lease_id: Any, via: Any = None) -> None:  # type: ignore[override]
         self.log.append(("commit", lease_id))
 
-    async def abort(self, lease_id: Any) -> None:  # type: ignore[override]
+    async def abort(self, lease_id: Any, via: Any = None) -> None:  # type: ignore[override]
         self.log.append(("abort", lease_id))
 
 

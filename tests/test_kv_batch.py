@@ -104,8 +104,9 @@ def test_raw_resp2_reply_shape(srv: RunningServer, r: redis.Redis) -> None:
             reply += s.recv(65536)
         assert reply == b"*2\r\n$-1\r\n*1\r\n+exists\r\n"
     assert r.execute_command("KV.GET", NS, b"y") is None  # reserved, never committed
-    assert r.execute_command("KV.ABORT", got[9:25]) == b"OK"  # the lease id outlives the socket
-    assert info(r)["kv_leases"] == 0
+    with pytest.raises(redis.ResponseError, match=r"^NOLEASE no such lease"):
+        r.execute_command("KV.ABORT", got[9:25])  # the lease was that socket's, not r's
+    assert info(r)["kv_leases"] == 1  # left to its TTL
 
 
 @pytest.mark.parametrize(

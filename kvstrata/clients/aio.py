@@ -19,9 +19,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 from kvstrata.clients import commands as cmd
-from kvstrata.clients.aioconn import AsyncConnectionPool
+from kvstrata.clients.aioconn import AsyncConnection, AsyncConnectionPool
 from kvstrata.clients.commands import Call, HashLike
-from kvstrata.clients.connection import ConnectionSettings
+from kvstrata.clients.connection import LEASE_CONN_CLOSED, ConnectionSettings
 from kvstrata.clients.handles import RegionMapError, lease_tier
 from kvstrata.clients.leases import (
     Fence,
@@ -35,9 +35,9 @@ from kvstrata.clients.leases import (
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
-from kvstrata.clients.results import Handle, RegionInfo
+from kvstrata.clients.results import Handle, LeaseId, RegionInfo
 from kvstrata.clients.sync import settings_from_url
-from kvstrata.protocol.errors import RespError
+from kvstrata.protocol.errors import LeaseError
 
 __all__ = [
     "AsyncClient",
@@ -70,19 +70,22 @@ async def _wait(fence: Fence | None, strict: bool = False) -> None:
 
 
 class AsyncLease(LeaseBase):
-    """A read lease; ``async with`` releases it."""
+    """A read lease; ``async with`` releases it. ``conn``: the connection that took it."""
 
-    __slots__ = ("_client",)
+    __slots__ = ("_client", "_conn")
 
-    def __init__(self, client: AsyncClient, *args: Any) -> None:
+    def __init__(
+        self, client: AsyncClient, *args: Any, conn: AsyncConnection | None = None
+    ) -> None:
         super().__init__(*args)
         self._client = client
+        self._conn = conn
 
     async def release(self) -> None:
         if not self.done:
             await _wait(self.fence())  # the engine's queued copies out of the slots come first
             self.done = True
-            await self._client.release(self.lease_id)
+            await self._client.release(self.lease_id, via=self._conn)
 
     async def __aenter__(self) -> AsyncLease:
         return self
@@ -116,13 +119,17 @@ class _CommitOnExit:
 
 
 class AsyncWriteLease(_CommitOnExit, WriteLeaseBase):
-    """A reserved slot; ``async with`` commits on success and aborts on an exception."""
+    """A reserved slot; ``async with`` commits on success and aborts on an exception.
+    ``conn``: the connection that took it."""
 
-    __slots__ = ("_client",)
+    __slots__ = ("_client", "_conn")
 
-    def __init__(self, client: AsyncClient, *args: Any) -> None:
+    def __init__(
+        self, client: AsyncClient, *args: Any, conn: AsyncConnection | None = None
+    ) -> None:
         super().__init__(*args)
         self._client = client
+        self._conn = conn
 
     async def commit(self) -> None:
         if self.done:
@@ -133,41 +140,38 @@ class AsyncWriteLease(_CommitOnExit, WriteLeaseBase):
             await self.abort()  # never publish bytes not known to be complete
             raise
         self.done = True
-        await self._client.commit(self.lease_id)
+        await self._client.commit(self.lease_id, via=self._conn)
 
     async def abort(self) -> None:
         if not self.done:
             await _wait(self.fence())  # a queued write must not land in the slot's next tenant
             self.done = True
-            await self._client.abort(self.lease_id)
+            await self._client.abort(self.lease_id, via=self._conn)
 
 
 class AsyncWriteBatch(_CommitOnExit, WriteBatchBase):
     """Reserved slots of a chain; ``async with`` commits them all on success and aborts them
-    all on an exception."""
+    all on an exception. ``conn``: the connection that took the lease."""
 
-    __slots__ = ("_client", "_sent")
+    __slots__ = ("_client", "_conn")
 
-    def __init__(self, client: AsyncClient, *args: Any) -> None:
+    def __init__(
+        self, client: AsyncClient, *args: Any, conn: AsyncConnection | None = None
+    ) -> None:
         super().__init__(*args)
         self._client = client
-        self._sent: list[asyncio.Future[Any]] = []
+        self._conn = conn
 
     async def publish(self, *indexes: int) -> None:
-        """Publish chunks now (see :meth:`kvstrata.clients.sync.WriteBatch.publish`):
-        ``KV.COMMIT lease i…`` is sent from a task; commit/abort wait for the replies."""
+        """Publish chunks now and wait for the reply (see
+        :meth:`kvstrata.clients.sync.WriteBatch.publish`: ``LeaseError`` when the lease
+        expired, then stop using the batch's views)."""
         if self.done:
             raise RuntimeError("this write batch is already committed or aborted")
         self._check_unpublished(indexes)
         await _wait(self.fence(), strict=True)
-        sent = self._client.execute("KV.COMMIT", self._lease(), *indexes)
-        self._sent.append(asyncio.ensure_future(sent))
         self.published.append(indexes)
-
-    async def _collect(self) -> BaseException | None:
-        sent, self._sent = self._sent, []
-        results = await asyncio.gather(*sent, return_exceptions=True)
-        return next((r for r in results if isinstance(r, BaseException)), None)
+        await self._client.commit(self._lease(), *indexes, via=self._conn)
 
     async def commit(self) -> None:
         if self.done:
@@ -178,25 +182,20 @@ class AsyncWriteBatch(_CommitOnExit, WriteBatchBase):
             await self.abort()  # never publish bytes not known to be complete
             raise
         self.done = True
-        error = await self._collect()
-        if error is not None:
-            if self.unpublished():
-                try:  # do not leave the rest reserved until the TTL
-                    await self._client.abort(self._lease())
-                except (OSError, RespError):
-                    pass
-            raise error
         if self.unpublished():
-            await self._client.commit(self._lease())
+            await self._client.commit(self._lease(), via=self._conn)
 
     async def abort(self) -> None:
-        """Discard the chunks not published yet (those published stay stored)."""
+        """Discard the chunks not published yet (see
+        :meth:`kvstrata.clients.sync.WriteBatch.abort`)."""
         if not self.done:
             await _wait(self.fence())  # a queued write must not land in a slot's next tenant
             self.done = True
-            await self._collect()
             if self.unpublished():
-                await self._client.abort(self._lease())
+                try:
+                    await self._client.abort(self._lease(), via=self._conn)
+                except LeaseError:
+                    pass  # expired (its slots are freed now), or ended with its connection
 
 
 class AsyncPipeline(PipelineBase):
@@ -243,10 +242,22 @@ class AsyncClient:
     async def from_url(cls, url: str, **kwargs: Any) -> AsyncClient:
         return await cls.connect(**settings_from_url(url, **kwargs))
 
-    async def _run(self, call: Call[T]) -> T:
+    async def _run(self, call: Call[T], via: AsyncConnection | None = None) -> T:
+        return (await self._take(call, via))[0]
+
+    async def _take(
+        self, call: Call[T], via: AsyncConnection | None = None
+    ) -> tuple[T, AsyncConnection]:
+        """The result of ``call`` run on ``via`` (default: a pooled connection; ``via`` may be
+        in use by other tasks too: replies come back in order), and the connection it ran on
+        (a lease taken is that connection's)."""
+        if via is not None:
+            if via.closed:
+                raise LeaseError(LEASE_CONN_CLOSED)
+            return call.result((await via.pipeline([call.args], [call.out]))[0]), via
         async with self.pool.connection() as conn:
             reply = (await conn.pipeline([call.args], [call.out]))[0]
-        return call.result(reply)
+        return call.result(reply), conn
 
     async def execute(self, *args: Any, out: Any = None) -> Any:
         return await self._run(cmd.raw(args, out))
@@ -289,14 +300,15 @@ class AsyncClient:
         tier: str | None = None,
     ) -> AsyncLease | None:
         """Pin chunks for zero-copy reads (see :meth:`kvstrata.clients.Client.lease`)."""
-        grant = await self._run(cmd.lease(ns, hashes, ttl_ms, lease_tier(tier)))
+        grant, conn = await self._take(cmd.lease(ns, hashes, ttl_ms, lease_tier(tier)))
         if grant is None:
             return None
         try:
             regions = await self._regions_for(grant.handles)
-            return AsyncLease(self, ns, [bytes(cmd.hash_bytes(h)) for h in hashes], grant, regions)
+            keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
+            return AsyncLease(self, ns, keys, grant, regions, conn=conn)
         except BaseException:
-            await self.release(grant.lease_id)  # don't leave the chunks pinned until the TTL
+            await self.release(grant.lease_id, via=conn)  # not pinned until the TTL
             raise
 
     async def reserve(
@@ -309,12 +321,14 @@ class AsyncClient:
         ttl_ms: int | None = None,
         tier: str | None = None,
     ) -> AsyncWriteLease:
-        grant = await self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms, tier))
+        call = cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms, tier)
+        grant, conn = await self._take(call)
         try:
             regions = await self._regions_for((grant.handle,))
-            return AsyncWriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
+            key = bytes(cmd.hash_bytes(hash))
+            return AsyncWriteLease(self, ns, key, grant, regions, conn=conn)
         except BaseException:
-            await self.abort(grant.lease_id)  # free the reserved slot now, not at the TTL
+            await self.abort(grant.lease_id, via=conn)  # free the slot now, not at the TTL
             raise
 
     async def reserve_chain(
@@ -329,14 +343,15 @@ class AsyncClient:
     ) -> AsyncWriteBatch:
         """Slots for a chain in one round trip (see
         :meth:`kvstrata.clients.Client.reserve_chain`)."""
-        grant = await self._run(cmd.mreserve(ns, parent, hashes, sizes, tokens, ttl_ms, tier))
+        call = cmd.mreserve(ns, parent, hashes, sizes, tokens, ttl_ms, tier)
+        grant, conn = await self._take(call)
         try:
             regions = await self._regions_for([h for h in grant.handles if h is not None])
             keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
-            return AsyncWriteBatch(self, ns, keys, grant, regions)
+            return AsyncWriteBatch(self, ns, keys, grant, regions, conn=conn)
         except BaseException:
             if grant.lease_id is not None:
-                await self.abort(grant.lease_id)  # free the reserved slots now, not at the TTL
+                await self.abort(grant.lease_id, via=conn)  # free the slots now, not at the TTL
             raise
 
     async def put_chain(
@@ -377,9 +392,19 @@ class AsyncClient:
             parent = h
         return ["stored" if ok else "exists" for ok in await p.execute()]
 
-    commit = _command(cmd.commit)
-    abort = _command(cmd.abort)
-    release = _command(cmd.release)
+    async def commit(
+        self, lease_id: LeaseId, *indexes: int, via: AsyncConnection | None = None
+    ) -> None:
+        """``KV.COMMIT lease [index…]`` on ``via``, the connection that took the lease (see
+        :meth:`kvstrata.clients.Client.commit`)."""
+        await self._run(cmd.commit(lease_id, *indexes), via)
+
+    async def abort(self, lease_id: LeaseId, via: AsyncConnection | None = None) -> None:
+        await self._run(cmd.abort(lease_id), via)
+
+    async def release(self, lease_id: LeaseId, via: AsyncConnection | None = None) -> None:
+        await self._run(cmd.release(lease_id), via)
+
     info = _command(cmd.info)
     delete = _command(cmd.delete)
     stats = _command(cmd.stats)

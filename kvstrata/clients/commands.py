@@ -240,8 +240,9 @@ def _mreserve(reply: Any) -> BatchGrant:
     return BatchGrant(lid, tuple(handles), tuple(states))
 
 
-def commit(lease_id: LeaseId) -> Call[None]:
-    return Call(("KV.COMMIT", lease_id), _ok)
+def commit(lease_id: LeaseId, *indexes: int) -> Call[None]:
+    """Publish a reserved chunk, a batch's chunks, or (``indexes``) those chunks of a batch."""
+    return Call(("KV.COMMIT", lease_id, *indexes), _ok)
 
 
 def abort(lease_id: LeaseId) -> Call[None]:

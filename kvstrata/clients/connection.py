@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstrata import __version__
 from kvstrata.clients.resp import BIG_BULK, OutSpec, ReplyReader, command_buffers
-from kvstrata.protocol.errors import NoAuthError, RespError, WrongPassError
+from kvstrata.protocol.errors import LeaseError, NoAuthError, RespError, WrongPassError
 from kvstrata.protocol.frames import Push
 
 __all__ = [
@@ -37,6 +37,10 @@ __all__ = [
 ]
 
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
+
+
+#: what ending a lease says once the connection that took it is closed (no other may end it)
+LEASE_CONN_CLOSED = "the connection that took this lease is closed: the lease ended with it"
 
 
 class ConnectionClosedError(ConnectionError):
@@ -313,9 +317,26 @@ class ConnectionPool:
                 self._idle.append(conn)
             self._cond.notify()
 
+    def acquire_this(self, conn: SyncConnection, timeout: float | None = None) -> SyncConnection:
+        """``conn`` itself, once no other thread is using it: the commands that end a lease
+        must come from the connection that took it (the server refuses them from any other).
+        Raises LeaseError when ``conn`` is closed (its leases are unusable: as -NOLEASE)."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise ConnectionClosedError("pool is closed")
+                if conn.closed:
+                    raise LeaseError(LEASE_CONN_CLOSED)
+                if any(c is conn for c in self._idle):
+                    self._idle.remove(conn)
+                    return conn
+                if not self._cond.wait(timeout):
+                    raise TimeoutError("the connection that took this lease stays busy")
+
     @contextmanager
-    def connection(self) -> Iterator[SyncConnection]:
-        conn = self.acquire()
+    def connection(self, conn: SyncConnection | None = None) -> Iterator[SyncConnection]:
+        """A connection of the pool for one use: any, or ``conn`` (see :meth:`acquire_this`)."""
+        conn = self.acquire() if conn is None else self.acquire_this(conn)
         try:
             yield conn
         finally:

@@ -194,8 +194,9 @@ class WriteLeaseBase(HandleViews):
 class WriteBatchBase(HandleViews):
     """Reserved, invisible slots for chunks of one chain (``KV.MRESERVE``): fill them, then
     commit (publish them all, in chain order) or abort (discard them all). ``publish(i)``
-    publishes one filled chunk at once, without waiting (the server checksums it while the next
-    slot is filled); commit then publishes the rest. ``hashes[i]`` has a
+    publishes filled chunks at once (a round trip) while the others are still being filled;
+    commit then publishes the rest. A published chunk's slot is the stored chunk's: the batch
+    gives no view of it any more (one taken before must not be used). ``hashes[i]`` has a
     slot when ``states[i] == "reserved"``; ``"exists"`` and ``"busy"`` chunks have none (stored
     already, or another client is writing them): nothing to write for them."""
 
@@ -260,22 +261,29 @@ class WriteBatchBase(HandleViews):
         """The wait for this thread's queued GPU work on the slots (see WriteLeaseBase)."""
         return _device_fence(self._regions, [h for h in self.grant.handles if h is not None])
 
+    def _fill_slot(self, i: int) -> Handle:
+        """Chunk ``i``'s slot, to fill: not once it was published (it is the stored chunk's
+        then, and may hold another chunk once that one is evicted)."""
+        if any(i in group for group in self.published):
+            raise ValueError(f"chunk {i} is published: its slot is the stored chunk's now")
+        return self._slot(i)
+
     def view(self, i: int) -> memoryview:
         """Chunk ``i``'s slot as a writable memoryview (``shm`` regions)."""
-        return self._view(self._slot(i))
+        return self._view(self._fill_slot(i))
 
     def array(self, i: int, dtype: Any = np.uint8) -> np.ndarray:
         """Chunk ``i``'s slot as a writable 1-D numpy array (``shm`` regions)."""
-        return self._array(self._slot(i), dtype)
+        return self._array(self._fill_slot(i), dtype)
 
     def tensor(self, i: int, dtype: Any = None) -> Any:
         """Chunk ``i``'s slot as a writable 1-D torch tensor (CPU ``shm``, CUDA ``cuda``)."""
-        return self._tensor(self._slot(i), dtype)
+        return self._tensor(self._fill_slot(i), dtype)
 
     def write(self, i: int, data: Any, offset: int = 0) -> None:
         """Copy ``data`` (bytes-like, numpy array, CPU tensor) into chunk ``i``'s slot."""
         src = as_bytes_view(data)
-        n, size = len(src), self._slot(i).length
+        n, size = len(src), self._fill_slot(i).length
         if offset < 0 or offset + n > size:
             raise ValueError(f"{n} bytes at offset {offset} do not fit a {size}-byte slot")
         self.view(i)[offset : offset + n] = src
@@ -301,8 +309,8 @@ def batch_slices(sizes: Sequence[int], max_chunks: int = BATCH_CHUNKS,
 
 
 #: a writer publishes the chunks it has filled once they hold this many bytes: large enough that
-#: small chunks do not cost one command each, small enough that the server's checksum of one
-#: group overlaps the copies into the next
+#: small chunks do not cost one round trip each, small enough that chunks become visible (and a
+#: lease that expired is heard of) while the rest are still being filled
 PUBLISH_BYTES = 4 * 1024 * 1024
 
 

@@ -8,9 +8,11 @@
         kv.get(ns, hashes[0], out=tensor)          # received straight into the tensor
 
 Every method borrows a connection from the pool for one round trip, so one ``Client`` may be
-shared by threads. Error replies raise the exception classes of
-:mod:`kvstrata.protocol.errors` (``LeaseError`` for ``-NOLEASE``, ``OutOfMemoryError`` for
-``-OOM`` …).
+shared by threads. A lease belongs to the connection that took it (the server refuses its
+id from any other): a lease object ends it on that connection, waiting for it to be free;
+:meth:`Client.commit`/``abort``/``release`` by id take it as ``via``. Error replies raise
+the exception classes of :mod:`kvstrata.protocol.errors` (``LeaseError`` for ``-NOLEASE``,
+``OutOfMemoryError`` for ``-OOM`` …).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from kvstrata.clients.leases import (
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
-from kvstrata.clients.results import Handle, RegionInfo
-from kvstrata.protocol.errors import RespError
+from kvstrata.clients.results import Handle, LeaseId, RegionInfo
+from kvstrata.protocol.errors import LeaseError
 
 __all__ = ["Client", "Lease", "Pipeline", "WriteBatch", "WriteLease", "settings_from_url"]
 
@@ -79,19 +81,21 @@ def _wait(fence: Fence | None, strict: bool = False) -> None:
 
 
 class Lease(LeaseBase):
-    """A read lease (see :class:`~kvstrata.clients.leases.LeaseBase`); ``with`` releases it."""
+    """A read lease (see :class:`~kvstrata.clients.leases.LeaseBase`); ``with`` releases it.
+    ``conn``: the connection that took it (its release goes there)."""
 
-    __slots__ = ("_client",)
+    __slots__ = ("_client", "_conn")
 
-    def __init__(self, client: Client, *args: Any) -> None:
+    def __init__(self, client: Client, *args: Any, conn: SyncConnection | None = None) -> None:
         super().__init__(*args)
         self._client = client
+        self._conn = conn
 
     def release(self) -> None:
         if not self.done:
             _wait(self.fence())  # the engine's queued copies out of the slots come first
             self.done = True
-            self._client.release(self.lease_id)
+            self._client.release(self.lease_id, via=self._conn)
 
     def __enter__(self) -> Lease:
         return self
@@ -125,13 +129,15 @@ class _CommitOnExit:
 
 
 class WriteLease(_CommitOnExit, WriteLeaseBase):
-    """A reserved slot; ``with`` commits it on success and aborts it on an exception."""
+    """A reserved slot; ``with`` commits it on success and aborts it on an exception.
+    ``conn``: the connection that took it (its commit or abort goes there)."""
 
-    __slots__ = ("_client",)
+    __slots__ = ("_client", "_conn")
 
-    def __init__(self, client: Client, *args: Any) -> None:
+    def __init__(self, client: Client, *args: Any, conn: SyncConnection | None = None) -> None:
         super().__init__(*args)
         self._client = client
+        self._conn = conn
 
     def commit(self) -> None:
         if self.done:
@@ -142,58 +148,43 @@ class WriteLease(_CommitOnExit, WriteLeaseBase):
             self.abort()  # never publish bytes not known to be complete
             raise
         self.done = True
-        self._client.commit(self.lease_id)
+        self._client.commit(self.lease_id, via=self._conn)
 
     def abort(self) -> None:
         if not self.done:
             _wait(self.fence())  # a queued write must not land in the slot's next tenant
             self.done = True
-            self._client.abort(self.lease_id)
+            self._client.abort(self.lease_id, via=self._conn)
 
 
 class WriteBatch(_CommitOnExit, WriteBatchBase):
     """Reserved slots of a chain (see :class:`~kvstrata.clients.leases.WriteBatchBase`);
-    ``with`` commits them all on success and aborts them all on an exception."""
+    ``with`` commits them all on success and aborts them all on an exception. ``conn``: the
+    connection that took the lease (its publish, commit or abort goes there)."""
 
-    __slots__ = ("_client", "_read", "_stream")
+    __slots__ = ("_client", "_conn")
 
-    def __init__(self, client: Client, *args: Any) -> None:
+    def __init__(self, client: Client, *args: Any, conn: SyncConnection | None = None) -> None:
         super().__init__(*args)
         self._client = client
-        self._stream: SyncConnection | None = None
-        self._read = 0  # replies of published groups read so far
+        self._conn = conn
 
     def publish(self, *indexes: int) -> None:
-        """Publish chunks now without waiting for the server: ``KV.COMMIT lease i…`` goes out
-        on a connection this batch keeps until :meth:`commit`/:meth:`abort`, which read the
-        replies. The server checksums and publishes them while this thread fills the next
-        slots. Call it once their slots are completely written."""
+        """Publish chunks now (``KV.COMMIT lease i…``) and wait for the reply; call it once
+        their slots are completely written. A refusal raises: ``LeaseError`` when the lease
+        expired (nothing of this call was published; stop using every view of the batch,
+        then abort it), or the error naming the chunk that could not be published. Either way
+        the chunks named count as published: the batch does not send them again."""
         if self.done:
             raise RuntimeError("this write batch is already committed or aborted")
         self._check_unpublished(indexes)
         _wait(self.fence(), strict=True)  # queued GPU writes into the slots come first
-        if self._stream is None:
-            self._stream = self._client.pool.acquire()
-        self._stream.send([("KV.COMMIT", self.lease_id, *indexes)])
         self.published.append(indexes)
-
-    def _collect(self) -> Exception | None:
-        """Read the replies of the chunks published so far; the first error among them."""
-        conn, self._stream = self._stream, None
-        if conn is None:
-            return None
-        try:
-            replies = conn.receive(len(self.published) - self._read)
-        except Exception as exc:
-            return exc
-        finally:
-            self._read = len(self.published)
-            self._client.pool.release(conn)
-        return next((r for r in replies if isinstance(r, RespError)), None)
+        self._client.commit(self._lease(), *indexes, via=self._conn)
 
     def commit(self) -> None:
-        """Publish every chunk not published yet (one ``KV.COMMIT``) and check that the
-        published ones were; a failure raises and aborts what is left."""
+        """Publish every chunk not published yet (one ``KV.COMMIT``); a failure raises and
+        aborts what is left."""
         if self.done:
             raise RuntimeError("this write batch is already committed or aborted")
         try:  # the server checksums the slots: the engine's writes must be done
@@ -202,25 +193,21 @@ class WriteBatch(_CommitOnExit, WriteBatchBase):
             self.abort()  # never publish bytes not known to be complete
             raise
         self.done = True
-        error = self._collect()
-        if error is not None:
-            if self.unpublished():
-                try:  # do not leave the rest reserved until the TTL
-                    self._client.abort(self._lease())
-                except (OSError, RespError):
-                    pass  # the lease is gone already (expired, server restarted)
-            raise error
         if self.unpublished():
-            self._client.commit(self._lease())
+            self._client.commit(self._lease(), via=self._conn)
 
     def abort(self) -> None:
-        """Discard the chunks not published yet (those published stay stored)."""
+        """Discard the chunks not published yet (those published stay stored). Of an expired
+        lease this ends what the server still holds for it (``-NOLEASE`` is not raised: the
+        slots are freed either way)."""
         if not self.done:
             _wait(self.fence())  # a queued write must not land in a slot's next tenant
             self.done = True
-            self._collect()
             if self.unpublished():
-                self._client.abort(self._lease())
+                try:
+                    self._client.abort(self._lease(), via=self._conn)
+                except LeaseError:
+                    pass  # expired (its slots are freed now), or ended with its connection
 
 
 class Pipeline(PipelineBase):
@@ -263,10 +250,15 @@ class Client:
     def from_url(cls, url: str, **kwargs: Any) -> Client:
         return cls(**settings_from_url(url, **kwargs))
 
-    def _run(self, call: Call[T]) -> T:
-        with self.pool.connection() as conn:
+    def _run(self, call: Call[T], via: SyncConnection | None = None) -> T:
+        return self._take(call, via)[0]
+
+    def _take(self, call: Call[T], via: SyncConnection | None = None) -> tuple[T, SyncConnection]:
+        """The result of ``call`` run on ``via`` (default: any pooled connection), and the
+        connection it ran on (a lease taken is that connection's)."""
+        with self.pool.connection(via) as conn:
             reply = conn.pipeline([call.args], [call.out])[0]
-        return call.result(reply)
+        return call.result(reply), conn
 
     def execute(self, *args: Any, out: Any = None) -> Any:
         """Any command; the reply as parsed (see :mod:`kvstrata.clients.resp`)."""
@@ -315,14 +307,15 @@ class Client:
         ``tier`` ("gpu" or "dram") chooses where the handles point. By default a process
         without usable CUDA asks for ``dram`` (shared-memory handles), and one with CUDA lets
         the server choose (its GPU pool when it has one, falling back to DRAM per chunk)."""
-        grant = self._run(cmd.lease(ns, hashes, ttl_ms, lease_tier(tier)))
+        grant, conn = self._take(cmd.lease(ns, hashes, ttl_ms, lease_tier(tier)))
         if grant is None:
             return None
         try:
             regions = self._regions_for(grant.handles)
-            return Lease(self, ns, [bytes(cmd.hash_bytes(h)) for h in hashes], grant, regions)
+            keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
+            return Lease(self, ns, keys, grant, regions, conn=conn)
         except BaseException:
-            self.release(grant.lease_id)  # don't leave the chunks pinned until the TTL
+            self.release(grant.lease_id, via=conn)  # don't leave the chunks pinned until the TTL
             raise
 
     def reserve(
@@ -336,12 +329,12 @@ class Client:
         tier: str | None = None,
     ) -> WriteLease:
         """Reserve an invisible slot to fill in place; commit publishes it."""
-        grant = self._run(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms, tier))
+        grant, conn = self._take(cmd.reserve(ns, hash, parent, nbytes, tokens, ttl_ms, tier))
         try:
             regions = self._regions_for((grant.handle,))
-            return WriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions)
+            return WriteLease(self, ns, bytes(cmd.hash_bytes(hash)), grant, regions, conn=conn)
         except BaseException:
-            self.abort(grant.lease_id)  # free the reserved slot now, not at the TTL
+            self.abort(grant.lease_id, via=conn)  # free the reserved slot now, not at the TTL
             raise
 
     def reserve_chain(
@@ -357,14 +350,14 @@ class Client:
         """Reserve invisible slots for the chain ``hashes`` (the first linked to ``parent``)
         in one round trip (``KV.MRESERVE``); committing publishes them all in one more. Chunks
         stored already or being written elsewhere get no slot (``states``)."""
-        grant = self._run(cmd.mreserve(ns, parent, hashes, sizes, tokens, ttl_ms, tier))
+        grant, conn = self._take(cmd.mreserve(ns, parent, hashes, sizes, tokens, ttl_ms, tier))
         try:
             regions = self._regions_for([h for h in grant.handles if h is not None])
             keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
-            return WriteBatch(self, ns, keys, grant, regions)
+            return WriteBatch(self, ns, keys, grant, regions, conn=conn)
         except BaseException:
             if grant.lease_id is not None:
-                self.abort(grant.lease_id)  # free the reserved slots now, not at the TTL
+                self.abort(grant.lease_id, via=conn)  # free the slots now, not at the TTL
             raise
 
     def put_chain(
@@ -407,9 +400,19 @@ class Client:
                 parent = h
             return ["stored" if ok else "exists" for ok in p.execute()]
 
-    commit = _command(cmd.commit)
-    abort = _command(cmd.abort)
-    release = _command(cmd.release)
+    def commit(self, lease_id: LeaseId, *indexes: int, via: SyncConnection | None = None) -> None:
+        """``KV.COMMIT lease [index…]`` on ``via``, the connection that took the lease (the
+        server refuses another's: -NOLEASE; default: any pooled connection)."""
+        self._run(cmd.commit(lease_id, *indexes), via)
+
+    def abort(self, lease_id: LeaseId, via: SyncConnection | None = None) -> None:
+        """``KV.ABORT lease`` on ``via`` (see :meth:`commit`)."""
+        self._run(cmd.abort(lease_id), via)
+
+    def release(self, lease_id: LeaseId, via: SyncConnection | None = None) -> None:
+        """``KV.RELEASE lease`` on ``via`` (see :meth:`commit`)."""
+        self._run(cmd.release(lease_id), via)
+
     info = _command(cmd.info)
     delete = _command(cmd.delete)
     stats = _command(cmd.stats)

@@ -222,21 +222,23 @@ class KVStore:
         self.state.admit_lease(holder)
         return await reserve_batch(self.writes, ns, parent, items, tokens, ttl, tier, holder)
 
-    async def commit(self, lease_id: str, indexes: Sequence[int] = ()) -> None:
-        """KV.COMMIT of a KV.RESERVE or a KV.MRESERVE lease; with ``indexes``, only those
-        chunks of a KV.MRESERVE lease (by request position)."""
+    async def commit(
+        self, lease_id: str, indexes: Sequence[int] = (), holder: Holder = NO_HOLDER
+    ) -> None:
+        """KV.COMMIT of ``holder``'s KV.RESERVE or KV.MRESERVE lease; with ``indexes``, only
+        those chunks of a KV.MRESERVE lease (by request position)."""
         if indexes:
-            _, chunks = take_chunks(self.writes, lease_id, indexes)
+            _, chunks = take_chunks(self.writes, lease_id, indexes, holder)
             await commit_batch(self.writes, chunks)
             return
-        lease = self.writes.take_write_lease(lease_id, "KV.COMMIT")
+        lease = self.writes.take_write_lease(lease_id, "KV.COMMIT", holder)
         if isinstance(lease, WriteLease):
             await self.writes.commit(lease)
         else:
             await commit_batch(self.writes, lease.chunks)
 
-    def abort(self, lease_id: str) -> None:
-        self.writes.abort(lease_id)
+    def abort(self, lease_id: str, holder: Holder = NO_HOLDER) -> None:
+        self.writes.abort(lease_id, holder)
 
     # -- reads -------------------------------------------------------------------------------------
 
@@ -264,8 +266,8 @@ class KVStore:
         self.state.admit_lease(holder)
         return await self.reads.lease(ns, hashes, ttl, tier, holder)
 
-    def release(self, lease_id: str) -> None:
-        self.reads.release(lease_id)
+    def release(self, lease_id: str, holder: Holder = NO_HOLDER) -> None:
+        self.reads.release(lease_id, holder)
 
     def regions(self) -> list[Region]:
         out: list[Region] = []

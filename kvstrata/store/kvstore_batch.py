@@ -16,8 +16,11 @@ The batch keeps every guarantee of a single reservation:
 - Committing stops at the first chunk that cannot be published (a write-through tier failed):
   the chunks named before it are published, it and the rest of the command's are discarded,
   and the error says which.
-- The batch is one lease (``lease-max``, ``lease-max-per-client`` count it once); expiry while
-  its holder is still connected fences all its slots, as for a single reservation.
+- The batch is one lease (``lease-max``, ``lease-max-per-client`` count it once), of the
+  connection that reserved it: no other connection can commit or abort it. Expiry while its
+  holder is still connected fences each slot still reserved (a published one is the stored
+  chunk's already); ``KV.COMMIT lease i…`` of the expired lease then ends the fence of the
+  named slots only, since the holder may still be filling the others (``store.fences``).
 """
 
 from __future__ import annotations
@@ -153,14 +156,15 @@ async def _reserve_one(
 
 
 def take_chunks(
-    writes: WritePath, lease_id: str, indexes: Sequence[int]
+    writes: WritePath, lease_id: str, indexes: Sequence[int], holder: Holder = NO_HOLDER
 ) -> tuple[BatchWriteLease, list[ReservedChunk]]:
-    """The reserved chunks at request positions ``indexes`` of a live KV.MRESERVE lease, taken
-    out of it (in chain order); the lease leaves the table when none is left."""
-    lease = writes.find_write_lease(lease_id, "KV.COMMIT")
+    """The reserved chunks at request positions ``indexes`` of ``holder``'s live KV.MRESERVE
+    lease, taken out of it (in chain order); the lease leaves the table when none is left. Of
+    an expired lease, only the fences of those slots end (``store.fences``)."""
+    wanted = sorted(set(indexes))
+    lease = writes.find_write_lease(lease_id, "KV.COMMIT", holder, wanted)
     if not isinstance(lease, BatchWriteLease):
         raise CommandError(f"lease {lease_id} is a KV.RESERVE lease: KV.COMMIT takes no index")
-    wanted = sorted(set(indexes))
     for i in wanted:
         if i not in lease.pending:
             raise CommandError(

@@ -354,16 +354,20 @@ class ReadPath:
     def end_read_lease(self, lease: ReadLease) -> None:
         self._unpin_all(lease.records)
 
-    def release(self, lease_id: str) -> None:
+    def release(self, lease_id: str, holder: Holder = NO_HOLDER) -> None:
+        """KV.RELEASE of ``holder``'s read lease (another holder's is refused like an unknown
+        one). Of an expired one, the fence ends: the holder is done with every slot."""
         leases = self.state.leases
         lease = leases.get(lease_id)
-        if lease is None:
-            if self.state.fences.end(lease_id):
+        if lease is None or lease.holder.id != holder.id:
+            if self.state.fences.end(lease_id, holder):
                 raise LeaseError(f"lease {lease_id} expired (its slots are freed now)")
             raise LeaseError(f"no such lease {lease_id!r} (unknown, ended or expired)")
         if not isinstance(lease, ReadLease):
             raise LeaseError(f"lease {lease_id} is a write lease; use KV.COMMIT or KV.ABORT")
+        if leases.is_expired(lease):
+            leases.expire(lease_id)  # fenced and unfenced at once: only the pins end
+            self.end_read_lease(lease)
+            raise LeaseError(f"lease {lease_id} expired")
         leases.pop(lease_id)
         self.end_read_lease(lease)
-        if leases.is_expired(lease):
-            raise LeaseError(f"lease {lease_id} expired")

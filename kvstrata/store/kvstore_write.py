@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Collection
 from typing import Any
 
 from kvstrata.protocol.errors import BusyError, CommandError, LeaseError, OutOfMemoryError
@@ -421,26 +422,38 @@ class WritePath:
         assert dram is not None
         return StoreSink(self.state, key, view), dram.reserved_handle(key)
 
-    def find_write_lease(self, lease_id: str, verb: str) -> WriteLease | BatchWriteLease:
-        """A live write lease (of KV.RESERVE or KV.MRESERVE) for ``verb``, left in the table;
-        an expired one is ended and refused, like an unknown or a read lease."""
+    def find_write_lease(
+        self,
+        lease_id: str,
+        verb: str,
+        holder: Holder = NO_HOLDER,
+        indexes: Collection[int] | None = None,
+    ) -> WriteLease | BatchWriteLease:
+        """A live write lease (of KV.RESERVE or KV.MRESERVE) of ``holder`` for ``verb``, left
+        in the table. Another holder's lease is refused like an unknown one. An expired one is
+        fenced as the sweeper does (``store.fences``), then the fence of the slots at
+        ``indexes`` (default all) ends, since the holder says it is done with them; refused."""
         leases = self.state.leases
         lease = leases.get(lease_id)
-        if lease is None:
-            if self.state.fences.end(lease_id):  # the late writer is done with its slot
+        if lease is None or lease.holder.id != holder.id:
+            if self.state.fences.end(lease_id, holder, indexes):  # the late writer is done
                 raise LeaseError(f"lease {lease_id} expired: nothing was committed")
             raise LeaseError(f"no such lease {lease_id!r} (unknown, ended or expired)")
         if isinstance(lease, ReadLease):
             raise LeaseError(f"lease {lease_id} is a read lease; {verb} needs a KV.RESERVE lease")
         if leases.is_expired(lease):
-            leases.pop(lease_id)
+            leases.expire(lease_id)
+            self.state.fences.fence_expired(lease, self.state.region_tier)
             self.end_write_lease(lease)
-            raise LeaseError(f"lease {lease_id} expired")
+            self.state.fences.end(lease_id, holder, indexes)
+            raise LeaseError(f"lease {lease_id} expired: nothing was committed")
         return lease
 
-    def take_write_lease(self, lease_id: str, verb: str) -> WriteLease | BatchWriteLease:
+    def take_write_lease(
+        self, lease_id: str, verb: str, holder: Holder = NO_HOLDER
+    ) -> WriteLease | BatchWriteLease:
         """:meth:`find_write_lease`, removed from the table."""
-        lease = self.find_write_lease(lease_id, verb)
+        lease = self.find_write_lease(lease_id, verb, holder)
         self.state.leases.pop(lease_id)
         return lease
 
@@ -457,8 +470,8 @@ class WritePath:
         finally:
             sink.abort()
 
-    def abort(self, lease_id: str) -> None:
-        self.end_write_lease(self.take_write_lease(lease_id, "KV.ABORT"))
+    def abort(self, lease_id: str, holder: Holder = NO_HOLDER) -> None:
+        self.end_write_lease(self.take_write_lease(lease_id, "KV.ABORT", holder))
 
     def end_write_lease(self, lease: WriteLease | BatchWriteLease) -> None:
         if isinstance(lease, WriteLease):

@@ -197,6 +197,14 @@ class LeaseTable:
             self._forget(lease)
         return lease
 
+    def expire(self, lease_id: str) -> Lease | None:
+        """Remove a lease a command found past its deadline before the sweeper did (counted
+        as expired, like those :meth:`take_expired` returns)."""
+        lease = self.pop(lease_id)
+        if lease is not None:
+            self.expired += 1
+        return lease
+
     def _forget(self, lease: Lease) -> None:
         hid = lease.holder.id
         left = self._per_holder.get(hid, 0) - 1

@@ -12,6 +12,11 @@ cannot take it, so a lease may mix ``cuda`` and ``shm`` handles; a client withou
 
 KV.MRESERVE reserves the slots of several chunks of one chain under one write lease (see
 ``store.kvstore_batch``); KV.COMMIT and KV.ABORT of that lease publish or discard them all.
+
+A lease belongs to the connection that took it (:func:`holder_of`): KV.COMMIT, KV.ABORT and
+KV.RELEASE of another connection's lease id, live or expired, are answered ``-NOLEASE`` exactly
+as for an unknown id and touch nothing (ids appear in MONITOR and SLOWLOG). What a holder's
+commands do to its own expired lease is described in ``store.fences``.
 """
 
 from __future__ import annotations
@@ -235,15 +240,19 @@ async def kv_mreserve(ctx: Ctx, args: Args) -> Reply:
     "published and the others stay reserved, so a writer can publish each chunk as soon as "
     "it is written; without, every chunk left. The lease ends when no chunk is left.",
     arguments=(LEASE, Arg("index", "integer", optional=True, multiple=True)),
-    reply="Simple string OK; -NOLEASE for an unknown, expired or read lease (an expired lease is "
-    "never committed); -ERR for an index with no reserved slot in the lease, or any index with "
-    "a KV.RESERVE lease. When a chunk of a batch cannot be published, the error names it: the "
-    "chunks named before it are published, it and the rest are discarded.",
+    reply="Simple string OK; -NOLEASE for an unknown, expired or read lease, and for a lease "
+    "another connection took (answered as an unknown one, untouched). An expired lease is never "
+    "committed: -NOLEASE ... expired, and its slots, kept from reuse while this connection may "
+    "still write them, are freed (with indexes, only the named slots of a batch; the others "
+    "stay held until they are named, the lease is committed without index or aborted, or the "
+    "connection closes). -ERR for an index with no reserved slot in the lease, or any index "
+    "with a KV.RESERVE lease. When a chunk of a batch cannot be published, the error names it: "
+    "the chunks named before it are published, it and the rest are discarded.",
 )
 async def kv_commit(ctx: Ctx, args: Args) -> Reply:
     lease_id = _lease_id(args[1])
     indexes = [int_option(a, "index", 0, 2**31) for a in args[2:]]
-    await store_of(ctx).commit(lease_id, indexes)
+    await store_of(ctx).commit(lease_id, indexes, holder_of(ctx))
     return OK
 
 
@@ -255,10 +264,12 @@ async def kv_commit(ctx: Ctx, args: Args) -> Reply:
     summary="Discards a reserved chunk (or every chunk of a KV.MRESERVE batch) and frees its "
     "slot.",
     arguments=(LEASE,),
-    reply="Simple string OK; -NOLEASE for an unknown, expired or read lease.",
+    reply="Simple string OK; -NOLEASE for an unknown, expired or read lease, and for a lease "
+    "another connection took (answered as an unknown one, untouched); of an expired lease "
+    "(-NOLEASE ... expired) every slot is freed.",
 )
 def kv_abort(ctx: Ctx, args: Args) -> Reply:
-    store_of(ctx).abort(_lease_id(args[1]))
+    store_of(ctx).abort(_lease_id(args[1]), holder_of(ctx))
     return OK
 
 
@@ -269,8 +280,10 @@ def kv_abort(ctx: Ctx, args: Args) -> Reply:
     group="kv",
     summary="Ends a read lease: its chunks may be moved or evicted again.",
     arguments=(LEASE,),
-    reply="Simple string OK; -NOLEASE for an unknown, expired or write lease.",
+    reply="Simple string OK; -NOLEASE for an unknown, expired or write lease, and for a lease "
+    "another connection took (answered as an unknown one, untouched); of an expired lease "
+    "(-NOLEASE ... expired) the slots are freed.",
 )
 def kv_release(ctx: Ctx, args: Args) -> Reply:
-    store_of(ctx).release(_lease_id(args[1]))
+    store_of(ctx).release(_lease_id(args[1]), holder_of(ctx))
     return OK
