@@ -332,6 +332,15 @@ OPTIONS: tuple[Option, ...] = (
          "Longest TTL in ms of a write lease (KV.RESERVE, KV.MRESERVE): a longer TTL gets "
          "-LEASELIMIT and a default lease-ttl above it is cut to it (0 = no cap).",
          mutable=True),
+    _opt("reply-pin-max", 32 * 1024**2, parse_size,
+         "Most bytes of DRAM one connection's unsent zero-copy replies (KV.GET, KV.MGET, GET of "
+         "large values) may pin longer than reply-pin-timeout: past it their bytes not yet "
+         "handed to the socket are copied out of the arena, and a client whose socket alone "
+         "still pins more after another reply-pin-timeout is closed. Half of it is what a "
+         "connection hands to its socket at once (0 = no bound).", mutable=True, **_SIZE),
+    _opt("reply-pin-timeout", 5, _int(1, 3600),
+         "Seconds a connection's unsent replies may pin more than reply-pin-max of DRAM.",
+         mutable=True),
     _opt("dram-capacity", 1024**3, parse_size, "Size of the shared-memory DRAM arena.", **_SIZE),
     _opt("dram-high-watermark", 0.95, _ratio, "Demote from DRAM above this fill ratio.",
          mutable=True),
