@@ -178,6 +178,46 @@ def _opt(name: str, default: Any, parse: Callable[[Any], Any], doc: str, **kw: A
     return Option(name, default, parse, doc, **kw)
 
 
+@dataclass(frozen=True, slots=True)
+class Share:
+    """A bound given as a percentage of the DRAM arena (``50%``) instead of a size."""
+
+    percent: float
+
+    def of(self, capacity: int) -> int:
+        return int(capacity * self.percent / 100)
+
+    def __str__(self) -> str:
+        return f"{self.percent:g}%"
+
+
+def share_or_size(value: Any, capacity: int) -> int:
+    """The bytes a :func:`_share_or_size` value stands for in an arena of ``capacity``."""
+    return value.of(capacity) if isinstance(value, Share) else int(value)
+
+
+def _share_or_size(text: Any) -> Share | int:
+    """``50%`` (of the DRAM arena) or a size."""
+    if isinstance(text, Share):
+        return text
+    if isinstance(text, bool):
+        raise ValueError(f"{text!r} is not a size or a percentage")
+    raw = str(text).strip()
+    if raw.endswith("%"):
+        try:
+            percent = float(raw[:-1])
+        except ValueError:
+            raise ValueError(f"{text!r} is not a percentage") from None
+        if not 0 < percent <= 100:  # also refuses nan
+            raise ValueError(f"{text!r} must be above 0% and at most 100%")
+        return Share(percent)
+    return parse_size(text)
+
+
+def _format_share_or_size(value: Any) -> str:
+    return str(value) if isinstance(value, Share) else format_size(value)
+
+
 def _size_at_most(limit: int) -> Callable[[Any], int]:
     def parse(text: Any) -> int:
         n = parse_size(text)
@@ -283,6 +323,24 @@ OPTIONS: tuple[Option, ...] = (
          "Most bytes one connection keeps out of reuse through leases that expired while it "
          "was connected; past it its new leases get -LEASELIMIT (0 = no limit).",
          mutable=True, **_SIZE),
+    _opt("lease-reserve-max-per-client", Share(50), _share_or_size,
+         "Most bytes of live write-lease slots (KV.RESERVE, KV.MRESERVE, counted in 4 KiB "
+         "allocation units) one connection holds at once, as a size or a percentage of "
+         "dram-capacity (0 = no limit); past it -LEASELIMIT.", mutable=True,
+         fmt=_format_share_or_size),
+    _opt("write-lease-ttl-max", 60000, _int(0, 86_400_000),
+         "Longest TTL in ms of a write lease (KV.RESERVE, KV.MRESERVE): a longer TTL gets "
+         "-LEASELIMIT and a default lease-ttl above it is cut to it (0 = no cap).",
+         mutable=True),
+    _opt("reply-pin-max", 32 * 1024**2, parse_size,
+         "Most bytes of DRAM one connection's unsent zero-copy replies (KV.GET, KV.MGET, GET of "
+         "large values) may pin longer than reply-pin-timeout: past it their bytes not yet "
+         "handed to the socket are copied out of the arena, and a client whose socket alone "
+         "still pins more after another reply-pin-timeout is closed. Half of it is what a "
+         "connection hands to its socket at once (0 = no bound).", mutable=True, **_SIZE),
+    _opt("reply-pin-timeout", 5, _int(1, 3600),
+         "Seconds a connection's unsent replies may pin more than reply-pin-max of DRAM.",
+         mutable=True),
     _opt("dram-capacity", 1024**3, parse_size, "Size of the shared-memory DRAM arena.", **_SIZE),
     _opt("dram-high-watermark", 0.95, _ratio, "Demote from DRAM above this fill ratio.",
          mutable=True),

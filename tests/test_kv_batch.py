@@ -181,11 +181,11 @@ def test_a_batch_counts_as_one_lease_against_the_limits(srv: RunningServer, r: r
 
 def test_oom_part_way_frees_every_slot_of_the_batch(r: redis.Redis) -> None:
     """All or nothing: with 3 MiB of the 4 MiB arena pinned by a read lease, a batch of two
-    768 KiB chunks gets a slot for the first but none for the second: -OOM, and the first slot
-    and its claim are given back."""
+    768 KiB chunks cannot get both slots: -OOM (refused before the first slot is made, since
+    the leased chunk cannot leave), and no slot or claim is left behind."""
     r.execute_command("KV.PUT", NS, b"big", b"", b"z" * (3 * 1024 * KiB))
     read_id, _ = r.execute_command("KV.LEASE", NS, b"big")
-    with pytest.raises(redis.exceptions.OutOfMemoryError, match="cannot place"):
+    with pytest.raises(redis.exceptions.OutOfMemoryError, match="nothing was evicted"):
         r.execute_command("KV.MRESERVE", NS, b"", 2, b"a", 768 * KiB, b"b", 768 * KiB)
     stats = info(r)
     assert stats["kv_leases"] == 1 and stats["dram_used"] == 3 * 1024 * KiB

@@ -31,11 +31,12 @@ from kvstrata.protocol.errors import (
 )
 from kvstrata.protocol.frames import NO_REPLY, Simple
 from kvstrata.server.admission import fmt_addr, refusal
+from kvstrata.server.backlog import ReplyBacklog
 from kvstrata.server.context import ClientState
 from kvstrata.server.fastpath import usable
 from kvstrata.server.fastread import FLUSH_PARTS, FastRead
 from kvstrata.server.intake import Intake, WithSinks, abort_sinks
-from kvstrata.server.pins import ReplyPins, release_now
+from kvstrata.server.pins import ReplyPins, release_each, release_now
 from kvstrata.server.writeside import WriteSide
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class Connection(FastRead, WriteSide, asyncio.BufferedProtocol):
         self._in = Intake(self._sink_for)
         self._out: list[Any] = []
         self._pins = ReplyPins()
+        self._backlog = ReplyBacklog()
+        self._pin_since = 0.0  # when its replies went over reply-pin-max (0: they are not)
         self._busy = False
         self._closing = False
         self._close_after = False
@@ -114,6 +117,7 @@ class Connection(FastRead, WriteSide, asyncio.BufferedProtocol):
                 self._abort_sinks(item.sinks)
         self._queue.clear()
         self._pins.release_all()  # a running async command finishes; its reply is dropped
+        release_each(self._backlog.release_all())
 
     def get_buffer(self, sizehint: int) -> memoryview:
         view = self._in.get_buffer(self._values["client-query-buffer-limit"])
@@ -390,6 +394,9 @@ class Connection(FastRead, WriteSide, asyncio.BufferedProtocol):
         if not out or self.transport is None:
             return
         self._out = []
+        if self._backlog or self._pins.pending_bytes > self._window():
+            self._queue_out(out)  # past the window: handed on as the transport drains
+            return
         if len(out) == 1:
             data = out[0]
             self.server.stats.total_net_output_bytes += len(data)

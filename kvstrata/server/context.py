@@ -109,6 +109,9 @@ class ServerStats:
     protocol_errors: int = 0
     unexpected_errors: int = 0
     output_limit_disconnections: int = 0
+    reply_copyouts: int = 0  # times unread replies were copied out of DRAM (reply-pin-max)
+    reply_copied_bytes: int = 0
+    reply_pin_disconnections: int = 0  # clients closed for pinning DRAM (reply-pin-max)
 
     def reset(self) -> None:
         for name in self.__slots__:

@@ -9,6 +9,13 @@ whenever output stays queued and once a second (:meth:`WriteSide.cron`). The sam
 a connection whose half-received command made no progress for ``payload-timeout`` seconds
 (its payload's DRAM slot is freed when the connection is lost).
 
+Zero-copy replies pin DRAM only within a bound (``reply-pin-max``, ``reply-pin-timeout``):
+replies beyond a window (half the bound) wait in a ``backlog`` and are handed on as the
+transport drains; when a connection's replies have pinned more than the bound for longer than
+the timeout, the cron copies the waiting ones out of the arena (the reader loses nothing), and
+closes a connection whose transport alone still pins more than the bound one timeout later
+(what the transport was handed cannot be taken back).
+
 A connection from a loopback client gets a small send buffer (``loopback-sndbuf``): a large
 reply is then copied into the socket in pieces the client takes while they are still in the
 CPU cache, instead of megabytes at a time that it reads back from memory. Remote clients keep
@@ -21,12 +28,14 @@ import asyncio
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvstrata.protocol.encoder import join_small
 from kvstrata.server.admission import is_loopback
+from kvstrata.server.backlog import ReplyBacklog
 from kvstrata.server.context import ClientState
 from kvstrata.server.intake import Intake
-from kvstrata.server.pins import ReplyPins
+from kvstrata.server.pins import ReplyPins, release_each
 
 if TYPE_CHECKING:
     from kvstrata.server.app import Server
@@ -45,6 +54,9 @@ class WriteSide:
     transport: asyncio.Transport | None
     _in: Intake
     _pins: ReplyPins
+    _backlog: ReplyBacklog
+    _pin_since: float  # when its replies went over reply-pin-max (0: they are not)
+    _close_after: bool
     _closing: bool
     _read_paused: bool
     _write_paused: bool
@@ -72,7 +84,12 @@ class WriteSide:
     def resume_writing(self) -> None:
         self._unsent = False
         self._soft_since = 0.0
+        self._pin_since = 0.0
         self._pins.drained()
+        if self._backlog:
+            self._feed()
+            if self._backlog:
+                return  # commands wait until the backlog is handed over
         if self._write_paused:
             self._write_paused = False
             self._process()
@@ -88,7 +105,84 @@ class WriteSide:
         if size > OUT_HIGH and not self._write_paused:
             self._write_paused = True
             self._update_reading()
-        self._enforce_output_limit(size, time.monotonic())
+        self._enforce_output_limit(size + self._backlog.nbytes, time.monotonic())
+
+    # -- the window of zero-copy replies (``backlog``) ---------------------------------------
+
+    def _window(self) -> int:
+        """Bytes of pinned views handed to the transport at once (0 bound: no window)."""
+        most = self.server.config.values["reply-pin-max"]
+        return most // 2 if most else 1 << 62
+
+    def _queue_out(self, out: list[Any]) -> None:
+        """Reply buffers that go through the backlog (it holds some, or their pinned views
+        exceed the window): commands wait until it is handed over."""
+        self._pins.hand(self._backlog.add(out, self._pins.take_pending()))
+        if not self._write_paused:
+            self._write_paused = True
+            self._update_reading()
+        self._feed()
+
+    def _feed(self) -> None:
+        """Hand the transport backlog bytes up to the window, again while it writes them at
+        once; a QUIT waiting behind them closes once all are handed."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        window = self._window()
+        backlog = self._backlog
+        while backlog:
+            budget = window - (transport.get_write_buffer_size() if self._unsent else 0)
+            if budget <= 0:
+                break
+            parts, done = backlog.take(budget)
+            self._pins.hand(done)
+            self.server.stats.total_net_output_bytes += sum(map(len, parts))
+            transport.writelines(join_small(parts))
+            self._after_write()
+            if self._unsent or self._closing:
+                break
+        if not backlog and self._close_after:
+            self._closing = True
+            transport.close()
+
+    def _bound_pins(self, now: float) -> None:
+        """Once a second: replies that pinned more than reply-pin-max for reply-pin-timeout
+        are copied out of the arena; if the transport alone still pins more a timeout later,
+        the client is closed."""
+        values = self.server.config.values
+        most = values["reply-pin-max"]
+        pinned = self._pins.handed_bytes + self._backlog.pinned
+        if not most or pinned <= most:
+            self._pin_since = 0.0
+            return
+        if not self._pin_since:
+            self._pin_since = now
+            return
+        timeout = values["reply-pin-timeout"]
+        if now - self._pin_since < timeout:
+            return
+        stats = self.server.stats
+        if self._backlog.pinned:
+            before = self._backlog.copied
+            now_released, later = self._backlog.copy_out()
+            release_each(now_released)
+            self._pins.hand(later)
+            stats.reply_copyouts += 1
+            stats.reply_copied_bytes += self._backlog.copied - before
+            log.info(
+                "client %s has not read %d bytes of replies for %d s: copied %d bytes of them "
+                "out of DRAM (reply-pin-max)", self.client.addr, pinned, timeout,
+                self._backlog.copied - before,
+            )  # fmt: skip
+            self._pin_since = now
+            return
+        log.warning(
+            "closing client %s: its unread replies pin %d bytes of DRAM for %d s "
+            "(reply-pin-max, reply-pin-timeout)", self.client.addr, pinned, 2 * timeout,
+        )  # fmt: skip
+        stats.reply_pin_disconnections += 1
+        self.drop()
 
     def _enforce_output_limit(self, size: int, now: float) -> None:
         limits = self.server.config.values["client-output-buffer-limit"]
@@ -112,8 +206,13 @@ class WriteSide:
         """Once a second (from the server's cron): the limits that need no event to trip."""
         if self._closing or self.transport is None:
             return
-        if self._unsent:
-            self._enforce_output_limit(self.transport.get_write_buffer_size(), now)
+        if self._unsent or self._backlog:
+            size = self.transport.get_write_buffer_size() + self._backlog.nbytes
+            self._enforce_output_limit(size, now)
+            if not self._closing:
+                self._bound_pins(now)
+        elif self._pin_since:
+            self._pin_since = 0.0
         timeout = self.server.config.values["payload-timeout"]
         if (
             timeout

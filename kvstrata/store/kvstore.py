@@ -32,6 +32,7 @@ from kvstrata.store.kvstore_batch import (
     check_batch,
     commit_batch,
     reserve_batch,
+    slot_unit,
     take_chunks,
 )
 from kvstrata.store.kvstore_build import build_tiers, status_of
@@ -45,6 +46,8 @@ from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState
 from kvstrata.store.kvstore_write import StoreSink, WritePath
 from kvstrata.store.leases import NO_HOLDER, Holder, Lease, ReadLease, WriteLease, run_sweeper
 from kvstrata.store.placement import Placement
+from kvstrata.store.write_limits import admit_reserve, write_lease_ttl
+from kvstrata.tiers.arena import ArenaTier
 from kvstrata.tiers.base import MemoryTier, Region, Tier
 from kvstrata.tiers.dram import STALE_AFTER_SECONDS, DramTier
 
@@ -204,8 +207,9 @@ class KVStore:
         ttl_ms: int | None = None, tier: str | None = None, holder: Holder = NO_HOLDER,
     ) -> WriteLease:  # fmt: skip
         """KV.RESERVE: a slot in DRAM, or in the GPU pool with ``tier="gpu"``."""
-        ttl = self.config.lease_ttl if ttl_ms is None else ttl_ms
+        ttl = write_lease_ttl(self.config.values, ttl_ms)
         self.state.admit_lease(holder)
+        self._admit_reserve(holder, [nbytes])
         return await self.writes.reserve(ns, hash, parent, nbytes, tokens, ttl, tier, holder)
 
     async def reserve_batch(
@@ -213,14 +217,24 @@ class KVStore:
         ttl_ms: int | None = None, tier: str | None = None, holder: Holder = NO_HOLDER,
     ) -> BatchReservation:  # fmt: skip
         """KV.MRESERVE: slots for the chunks of a chain under one lease (``kvstore_batch``)."""
-        ttl = self.config.lease_ttl if ttl_ms is None else ttl_ms
-        check_batch(items, parent, self.writes.slot_limit(tier))  # before LEASELIMIT
+        ttl = write_lease_ttl(self.config.values, ttl_ms)
+        check_batch(items, parent, self.writes.slot_limit(tier), slot_unit(self.writes))
         link = parent
         for item in items:
             self.check_link(ns, item.hash, link)
             link = item.hash
         self.state.admit_lease(holder)
+        self._admit_reserve(holder, [item.nbytes for item in items])
         return await reserve_batch(self.writes, ns, parent, items, tokens, ttl, tier, holder)
+
+    def _admit_reserve(self, holder: Holder, sizes: list[int]) -> None:
+        """-LEASELIMIT past lease-reserve-max-per-client (``write_limits``)."""
+        dram = self.state.dram
+        if isinstance(dram, ArenaTier):
+            admit_reserve(
+                self.config.values, self.state.leases, holder, sizes, dram.capacity,
+                dram.slot_size,
+            )  # fmt: skip
 
     async def commit(
         self, lease_id: str, indexes: Sequence[int] = (), holder: Holder = NO_HOLDER

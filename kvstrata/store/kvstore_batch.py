@@ -38,6 +38,7 @@ from kvstrata.store.leases import (
     ReservedChunk,
     deadline_after,
 )
+from kvstrata.tiers.arena import ArenaTier
 from kvstrata.tiers.base import Handle, TierError
 
 __all__ = [
@@ -45,8 +46,10 @@ __all__ = [
     "EXISTS",
     "BatchItem",
     "BatchReservation",
+    "check_room",
     "commit_batch",
     "reserve_batch",
+    "slot_unit",
     "take_chunks",
 ]
 
@@ -72,17 +75,54 @@ class BatchReservation:
     entries: tuple[Handle | str, ...]
 
 
-def check_batch(items: Sequence[BatchItem], parent: bytes, limit: int) -> None:
+def check_batch(items: Sequence[BatchItem], parent: bytes, limit: int, unit: int = 1) -> None:
     """Refuse duplicate hashes, a first chunk that is its own parent, and a batch larger than
-    the tier (it could never be reserved whole)."""
+    the tier (it could never be reserved whole). Sizes count in whole allocation units of
+    ``unit`` bytes, as the slots take them: 65,536 one-byte chunks need 256 MiB, not 64 KiB."""
     hashes = {item.hash for item in items}
     if len(hashes) != len(items):
         raise CommandError("duplicate hash in the batch: each chunk may appear once")
     if parent and parent in hashes:
         raise CommandError("invalid parent: the chain would loop back to a chunk of the batch")
-    total = sum(item.nbytes for item in items)
+    total = sum(_units(item.nbytes, unit) for item in items)
     if total > limit:
-        raise CommandError(f"invalid nbytes: the batch needs {total} bytes, the tier has {limit}")
+        raise CommandError(
+            f"invalid nbytes: the batch needs {total} bytes as {len(items)} slots of whole "
+            f"{unit}-byte allocation units, the tier has {limit}"
+        )
+
+
+def slot_unit(writes: WritePath) -> int:
+    """The allocation unit of the slots KV.MRESERVE makes (DRAM's; the GPU pool's is the same
+    4096 bytes)."""
+    dram = writes.state.dram
+    return dram.unit if isinstance(dram, ArenaTier) else 1
+
+
+def _units(nbytes: int, unit: int) -> int:
+    return max(unit, -(-nbytes // unit) * unit)
+
+
+def check_room(writes: WritePath, ns: str, items: Sequence[BatchItem]) -> None:
+    """Refuse with -OOM, before anything is evicted, a DRAM batch whose new slots exceed what
+    evicting every chunk that may leave would free (leased, pinned, moving and fenced chunks
+    and other reservations stay): making room for it would empty DRAM and still fail."""
+    dram = writes.state.dram
+    if not isinstance(dram, ArenaTier):
+        return
+    state = writes.state
+    need = sum(
+        dram.slot_size(item.nbytes) for item in items if state.live(ChunkKey(ns, item.hash)) is None
+    )
+    if need <= dram.largest_free():
+        return  # fits without evicting anything
+    most = writes.placement.reclaimable(dram)
+    if need > most:
+        raise OutOfMemoryError(
+            f"the batch needs {need} bytes of DRAM slots but at most {most} of "
+            f"{dram.capacity} can be freed (the rest is reserved, leased, pinned or fenced); "
+            "nothing was evicted: reserve fewer or smaller chunks, or retry after leases end"
+        )
 
 
 async def reserve_batch(
@@ -102,7 +142,9 @@ async def reserve_batch(
     for item in items:
         if not 0 < item.nbytes <= limit:
             raise CommandError(f"invalid nbytes: must be 1 to {limit} (the tier's size)")
-    check_batch(items, parent, limit)
+    check_batch(items, parent, limit, slot_unit(writes))
+    if tier != "gpu":
+        check_room(writes, ns, items)
     reserved: list[ReservedChunk] = []
     entries: list[Handle | str] = []
     try:

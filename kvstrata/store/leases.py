@@ -150,11 +150,17 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._per_holder: dict[int, int] = {}
+        self._ids_of: dict[int, set[str]] = {}  # holder id -> its lease ids (not NO_HOLDER's)
         self.expired = 0
         self.refused = 0
 
     def held_by(self, holder: Holder) -> int:
         return self._per_holder.get(holder.id, 0)
+
+    def leases_of(self, holder: Holder) -> list[Lease]:
+        """The leases ``holder`` holds now (none for NO_HOLDER, which is not tracked)."""
+        ids = self._ids_of.get(holder.id, ())
+        return [self._leases[i] for i in ids if i in self._leases]
 
     def admit(self, holder: Holder) -> None:
         """Raise LeaseLimitError when ``holder`` may not take one more lease now."""
@@ -186,6 +192,8 @@ class LeaseTable:
         self._leases[lease.id] = lease
         hid = lease.holder.id
         self._per_holder[hid] = self._per_holder.get(hid, 0) + 1
+        if hid:
+            self._ids_of.setdefault(hid, set()).add(lease.id)
         heapq.heappush(self._deadlines, (lease.deadline, lease.id))
 
     def get(self, lease_id: str) -> Lease | None:
@@ -207,6 +215,11 @@ class LeaseTable:
 
     def _forget(self, lease: Lease) -> None:
         hid = lease.holder.id
+        ids = self._ids_of.get(hid)
+        if ids is not None:
+            ids.discard(lease.id)
+            if not ids:
+                del self._ids_of[hid]
         left = self._per_holder.get(hid, 0) - 1
         if left > 0:
             self._per_holder[hid] = left
@@ -239,6 +252,7 @@ class LeaseTable:
         self._leases.clear()
         self._deadlines.clear()
         self._per_holder.clear()
+        self._ids_of.clear()
         return out
 
     def pinned_bytes(self) -> int:

@@ -50,6 +50,7 @@ from kvstrata.store.policy import (
 from kvstrata.store.policy import above_high as _above_high
 from kvstrata.store.policy import eligible as _eligible
 from kvstrata.store.room import RoomQueue
+from kvstrata.tiers.arena import ArenaTier
 from kvstrata.tiers.base import (
     Buffer,
     ChunkMissing,
@@ -127,6 +128,18 @@ class Placement:
             return tier.largest_free()
         in_flight = int(getattr(tier, "pending", 0))  # writes the tier already counts (nvme)
         return max(0, tier.capacity - tier.used - in_flight)
+
+    def reclaimable(self, tier: ArenaTier) -> int:
+        """Bytes of ``tier`` free now plus the slots of the chunks that may leave it (not
+        leased, pinned by a reader or a reply, moving, nor fenced): the most a writer could
+        get by evicting. Reservations, held slots and pinned chunks never count."""
+        free = tier.capacity - tier.used
+        index = self.state.index
+        for key, nbytes in tier.evictable_slots():
+            rec = index.get(key)
+            if rec is not None and _eligible(rec):
+                free += nbytes
+        return free
 
     def above_high(self, tier: Tier) -> bool:
         landing = self.landing.get(tier.name, 0)

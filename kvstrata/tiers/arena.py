@@ -24,6 +24,7 @@ Everything here is synchronous and never blocks.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,23 @@ class ArenaTier(MemoryTier):
 
     def largest_free(self) -> int:
         return self._alloc.largest_free
+
+    @property
+    def unit(self) -> int:
+        """The allocation unit: every slot takes a whole number of them (at least one)."""
+        return self._alloc.alignment
+
+    def slot_size(self, nbytes: int) -> int:
+        """The bytes a slot of ``nbytes`` takes in the region."""
+        return self._alloc.round_up(nbytes)
+
+    def evictable_slots(self) -> Iterator[tuple[ChunkKey, int]]:
+        """(key, slot bytes) of every committed chunk whose slot is not held: the memory its
+        eviction would give back at once (O(chunks); for a refusal that must not evict)."""
+        holds = self._holds
+        for key, slot in self._chunks.items():
+            if not holds.get(slot.offset):
+                yield key, self._alloc.round_up(slot.length)
 
     # -- chunk table --------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 A lease id is an unguessable capability over pinned memory; every lease has a TTL (``TTL ms``,
 default ``lease-ttl``) after which the server ends it. In KV.RESERVE, TTL is the lifetime of
-the write lease (the time to write and commit), not an expiry of the chunk.
+the write lease (the time to write and commit), not an expiry of the chunk; a write lease's TTL
+and the bytes one connection holds through write leases are bounded (``store.write_limits``).
 
 ``TIER gpu|dram`` chooses where the handles point. KV.LEASE defaults to the fastest shareable
 tier (``gpu`` when the server has a GPU tier) and falls back to DRAM per chunk when the GPU
@@ -138,7 +139,9 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
         TIER,
     ),
     reply="Array: [lease id, [region, offset, length, instance]]; -LEASELIMIT past lease-max, "
-    "lease-max-per-client or lease-fence-max; -OOM when no slot can be made, or "
+    "lease-max-per-client, lease-fence-max or lease-reserve-max-per-client (this "
+    "connection's live write-lease bytes), or for a TTL above write-lease-ttl-max (without "
+    "TTL, lease-ttl cut to it); -OOM when no slot can be made, or "
     "(write-wait-queue, write-wait-timeout) when the queue for DRAM room is full or its wait "
     "ran out.",
 )
@@ -211,9 +214,12 @@ def _batch_items(ctx: Ctx, args: Args) -> tuple[list[BatchItem], int]:
     "[region, offset, length, instance], or the simple string exists (stored already) or busy "
     "(another client is writing it); the lease id is null when no chunk got a slot. "
     "-ERR for a duplicate hash, a count that does not match the pairs or exceeds "
-    "max-chain-chunks, or a batch larger than the tier; -LEASELIMIT past lease-max, "
-    "lease-max-per-client or lease-fence-max; -OOM when a slot cannot be made (nothing is "
-    "reserved then).",
+    "max-chain-chunks, or a batch larger than the tier (counting each slot in whole 4 KiB "
+    "allocation units); -LEASELIMIT past lease-max, lease-max-per-client, lease-fence-max or "
+    "lease-reserve-max-per-client (the whole batch counts), or for a TTL above "
+    "write-lease-ttl-max; -OOM when a slot cannot be made (nothing is reserved then), at "
+    "once and without evicting anything when the batch exceeds what evicting every chunk "
+    "that may leave DRAM would free.",
 )
 async def kv_mreserve(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
