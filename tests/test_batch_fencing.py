@@ -319,3 +319,29 @@ def test_async_publish_of_an_expired_batch_raises_and_abort_ends_the_fence(
             assert info(r)["kv_fenced_bytes"] == 0 and no_batch_chunk(r)
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_a_closed_connections_live_leases_end_at_the_next_sweep(
+    srv: RunningServer, r: redis.Redis
+) -> None:
+    """A holder takes a batch, a single reservation and a read lease, all with a TTL of a
+    minute, and its connection closes (a crashed engine). The sweeper ends all three at once,
+    not at their TTL: no lease is left, the batch's keys can be reserved by another connection
+    (their claims are gone), the read chunk can be replaced, and a fill of the arena finds
+    every slot again, each chunk with its own bytes."""
+    assert r.execute_command("KV.PUT", NS, b"R", b"", content(50)) == 1
+    holder = redis.Redis(port=srv.port)
+    holder.execute_command("KV.MRESERVE", NS, b"", 3, *[x for h in HASHES for x in (h, SLOT)],
+                           "TTL", 60_000)  # fmt: skip
+    holder.execute_command("KV.RESERVE", NS, b"S", b"", SLOT, "TTL", 60_000)
+    holder.execute_command("KV.LEASE", NS, b"R", "TTL", 60_000, "TIER", "dram")
+    assert info(r)["kv_leases"] == 3
+    holder.close()
+    assert wait_for(lambda: info(r)["kv_leases"] == 0)
+    assert info(r)["kv_fenced_leases"] == 0
+    lid, entries = r.execute_command("KV.MRESERVE", NS, b"", 1, HASHES[0], SLOT)
+    assert lid is not None and isinstance(entries[0], list)  # not "busy": the claim is gone
+    r.execute_command("KV.ABORT", lid)
+    assert r.execute_command("KV.DEL", NS, b"R") == 1  # no longer leased
+    fill(r)
+    assert check_present(r) == SLOTS

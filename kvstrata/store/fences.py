@@ -22,7 +22,7 @@ either way), never merely ended. A fence is per slot:
   index), ``KV.ABORT`` and ``KV.RELEASE`` end the whole fence. Each answers ``-NOLEASE …
   expired``; nothing is ever published from an expired lease.
 - A fence ends entirely when its holder's connection is gone (checked on every sweep of the
-  lease table), and at shutdown.
+  lease table, which also ends the gone holder's live leases), and at shutdown.
 
 A fence belongs to its holder like the lease did: another connection naming its id is answered
 as for an unknown id, and ends nothing. What one connection may hold this way is bounded by

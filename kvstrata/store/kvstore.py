@@ -112,7 +112,7 @@ class KVStore:
                     self._expire_lease,
                     0.1,
                     self._sweep_error,
-                    state.fences.end_gone,
+                    self._end_gone,
                 ),
                 name="kv lease sweeper",
             ),
@@ -163,6 +163,13 @@ class KVStore:
         reused until it releases the lease or disconnects."""
         self.state.fences.fence_expired(lease, self.state.region_tier)
         self._end_lease(lease)
+
+    def _end_gone(self) -> None:
+        """Every sweep: end the leases and fences of connections that closed (a crashed or
+        disconnected engine gives its reserved and pinned memory back at once, not at TTL)."""
+        for lease in self.state.leases.take_gone():
+            self._end_lease(lease)
+        self.state.fences.end_gone()
 
     def _end_lease(self, lease: Lease) -> None:
         if isinstance(lease, ReadLease):

@@ -10,7 +10,8 @@
   expiry frees the rest.
 
 Every lease has a deadline. :func:`run_sweeper` (one asyncio task per store) ends expired leases
-every ``interval`` seconds through a callback, so a crashed client leaks nothing. Lease ids are
+every ``interval`` seconds through a callback, and the store's tick ends the leases of
+connections that closed (:meth:`LeaseTable.take_gone`), so a crashed client leaks nothing. Lease ids are
 unguessable (``secrets.token_hex(8)``): a lease id is a capability over pinned memory.
 
 A lease remembers its :class:`Holder` (the connection that took it). The table bounds how many
@@ -225,6 +226,20 @@ class LeaseTable:
             self._per_holder[hid] = left
         else:
             self._per_holder.pop(hid, None)
+
+    def take_gone(self) -> list[Lease]:
+        """Remove and return the leases of holders whose connection is closed: nobody can
+        commit, abort or release them any more, and nobody still touches their slots."""
+        out: list[Lease] = []
+        for ids in list(self._ids_of.values()):
+            first = self._leases.get(next(iter(ids)))
+            if first is None or first.holder.alive():
+                continue
+            for lease_id in list(ids):
+                lease = self.pop(lease_id)
+                if lease is not None:
+                    out.append(lease)
+        return out
 
     def is_expired(self, lease: Lease) -> bool:
         return lease.deadline <= self.clock()
