@@ -12,7 +12,8 @@
 Every lease has a deadline. :func:`run_sweeper` (one asyncio task per store) ends expired leases
 every ``interval`` seconds through a callback, and the store's tick ends the leases of
 connections that closed (:meth:`LeaseTable.take_gone`), so a crashed client leaks nothing.
-Lease ids are unguessable (``secrets.token_hex(8)``): a lease id is a capability over pinned memory.
+Lease ids are random (``secrets.token_hex(8)``) but not secrets (MONITOR and SLOWLOG show them):
+what guards a lease is its holder, checked by every command that ends one.
 
 A lease remembers its :class:`Holder` (the connection that took it). The table bounds how many
 leases one holder and all holders together may have (``lease-max-per-client``,
