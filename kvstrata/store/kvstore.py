@@ -214,6 +214,7 @@ class KVStore:
         ttl_ms: int | None = None, tier: str | None = None, holder: Holder = NO_HOLDER,
     ) -> WriteLease:  # fmt: skip
         """KV.RESERVE: a slot in DRAM, or in the GPU pool with ``tier="gpu"``."""
+        self.writes.check_slot_size(nbytes, tier)
         ttl = write_lease_ttl(self.config.values, ttl_ms)
         self.state.admit_lease(holder)
         self._admit_reserve(holder, [nbytes])

@@ -361,9 +361,7 @@ class WritePath:
         """A write lease on a fresh slot: in DRAM by default, in the GPU pool with ``tier``
         ``gpu`` (in DRAM when the pool has no room); raises CommandError/BusyError/OOM."""
         state = self.state
-        limit = self.slot_limit(tier)
-        if not 0 < nbytes <= limit:
-            raise CommandError(f"invalid nbytes: must be 1 to {limit} (the tier's size)")
+        self.check_slot_size(nbytes, tier)
         key = ChunkKey(ns, hash)
         if state.live(key) is not None:
             raise CommandError(f"chunk {key.hex} already exists (KV.DEL it to replace it)")
@@ -391,6 +389,13 @@ class WritePath:
         )
         state.leases.add(lease)
         return lease
+
+    def check_slot_size(self, nbytes: int, tier: str | None) -> None:
+        """CommandError for a slot ``tier`` could never hold (before any bound is checked, so a
+        bad argument is reported as such)."""
+        limit = self.slot_limit(tier)
+        if not 0 < nbytes <= limit:
+            raise CommandError(f"invalid nbytes: must be 1 to {limit} (the tier's size)")
 
     def slot_limit(self, tier: str | None) -> int:
         """The largest slot KV.RESERVE/KV.MRESERVE can make in ``tier``; raises CommandError
