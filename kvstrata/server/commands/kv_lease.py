@@ -135,7 +135,8 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
     reply="Array: [lease id, [region, offset, length, instance]]; -LEASELIMIT past lease-max, "
     "lease-max-per-client or lease-fence-max; -OOM when no slot can be made, or "
     "(write-wait-queue, write-wait-timeout) when the queue for DRAM room is full or its wait "
-    "ran out.",
+    "ran out. -BUSY when another client is writing or freeing the chunk at that moment "
+    "(`-BUSY chunk … is being written or freed by another client`; retry).",
 )
 async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
