@@ -34,8 +34,19 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key."""
 
 
+_SIZE_HINT = 'write a size such as 0, 65536, "512MiB" or "4GiB"'
+
+
+def _refuse_bool(value: object, what: str, hint: str) -> None:
+    """TOML's ``true``/``false`` are ints to Python (``int(True) == 1``): without this a
+    ``nvme-capacity = true`` ran with a 1-byte tier. No size, count or duration is a boolean."""
+    if isinstance(value, bool):
+        raise ValueError(f"{str(value).lower()} is a boolean, not {what}: {hint}")
+
+
 def parse_size(text: str | int) -> int:
     """``4GiB`` → 4294967296; ``512mb`` → 512000000 (Redis: mb is 1024², we follow SI/IEC)."""
+    _refuse_bool(text, "a size", _SIZE_HINT)
     if isinstance(text, int):
         if text < 0:
             raise ValueError("must not be negative")
@@ -62,6 +73,7 @@ def _yes_no(value: Any) -> str:
 
 def _float(lo: float, hi: float) -> Callable[[Any], float]:
     def parse(text: Any) -> float:
+        _refuse_bool(text, "a number", f"write a number from {lo} to {hi}")
         try:
             value = float(text)
         except (TypeError, ValueError):
@@ -96,6 +108,9 @@ def _bool(text: str | bool) -> bool:
 
 def _int(lo: int, hi: int) -> Callable[[Any], int]:
     def parse(text: Any) -> int:
+        _refuse_bool(text, "an integer", f"write an integer from {lo} to {hi}")
+        if isinstance(text, float) and not text.is_integer():  # TOML 2.5, inf, nan
+            raise ValueError(f"{text!r} is not an integer (write one from {lo} to {hi})")
         try:
             value = int(text)
         except (TypeError, ValueError):
@@ -108,6 +123,7 @@ def _int(lo: int, hi: int) -> Callable[[Any], int]:
 
 
 def _ratio(text: Any) -> float:
+    _refuse_bool(text, "a ratio", "write a number above 0 and at most 1, such as 0.9")
     try:
         value = float(text)
     except (TypeError, ValueError):
@@ -129,6 +145,7 @@ def _choice(*choices: str) -> Callable[[Any], str]:
 
 
 def _str(text: Any) -> str:
+    _refuse_bool(text, "text", 'write it in quotes ("...")')
     return str(text)
 
 
@@ -535,7 +552,10 @@ def render_markdown() -> str:
         '`--config` (`dram-capacity = "4GiB"`); flags win over the environment, which wins over',
         "the file. `CONFIG GET *` lists them all; keys marked *runtime* can be changed with",
         "`CONFIG SET`. Sizes take B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB (powers",
-        "of 1000).",
+        "of 1000). A size, count or duration is never a boolean: `nvme-capacity = true` (or",
+        "`false`) in the TOML file stops start-up with a message naming the key instead of",
+        'counting as 1 (or 0); write a number or a quoted size (`nvme-capacity = "16GiB"`,',
+        "`nvme-capacity = 0` to disable the tier). A TOML float is no integer (`port = 7379.5`).",
         "",
         "| key | default | runtime | meaning |",
         "|---|---|---|---|",

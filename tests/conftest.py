@@ -90,6 +90,8 @@ def start_thread_server(data_dir: Path, **overrides: Any) -> RunningServer:
             task = asyncio.ensure_future(server.run())
             ready = asyncio.ensure_future(server.wait_ready())
             await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                task.result()  # a start-up error: in ``errors`` before ``started`` is set
             started.set()
             await task
 

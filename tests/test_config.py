@@ -190,3 +190,67 @@ def test_config_set_loglevel_takes_effect(server) -> None:
     assert logging.getLogger("kvstrata").getEffectiveLevel() == logging.DEBUG
     r.config_set("loglevel", "warning")
     assert logging.getLogger("kvstrata").getEffectiveLevel() == logging.WARNING
+
+
+# -- booleans are not numbers (TOML's true is Python's 1) ---------------------------------------
+
+NUMBER_KEYS = [o.name for o in OPTIONS if type(o.default) in (int, float)]
+
+
+@pytest.mark.parametrize("name", NUMBER_KEYS)
+def test_a_toml_boolean_is_refused_for_every_size_count_and_duration(
+    name: str, tmp_path: Path
+) -> None:
+    """``nvme-capacity = true`` used to run with a 1-byte NVMe tier (and ``= false`` with the
+    tier off): every numeric key refuses a boolean, naming the key and what to write."""
+    assert "nvme-capacity" in NUMBER_KEYS and "dram-high-watermark" in NUMBER_KEYS
+    for value in ("true", "false"):
+        toml = tmp_path / f"{value}.toml"
+        toml.write_text(f"{name} = {value}\n")
+        with pytest.raises(ConfigError) as err:
+            load_config(env={}, config_file=toml)
+        assert str(err.value).startswith(f"invalid value for '{name}': {value} is a boolean, not ")
+        assert ": write " in str(err.value)
+
+
+def test_a_boolean_size_in_the_config_file_stops_serve(tmp_path: Path) -> None:
+    toml = tmp_path / "kvstrata.toml"
+    toml.write_text("nvme-capacity = true\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "serve", "--port", "0", "--config", str(toml),
+         "--data-dir", str(tmp_path / "data"), "--dram-capacity", "8MiB"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "kvstrata: configuration error: invalid value for 'nvme-capacity': true is a boolean, "
+        'not a size: write a size such as 0, 65536, "512MiB" or "4GiB"'
+    ]
+
+
+def test_boolean_words_are_refused_from_flags_env_and_config_set(server: RunningServer) -> None:
+    """Flags, environment and CONFIG SET carry text: ``true`` is no size there either, and
+    a value set from Python (as the TOML layer does) is held to the same rule."""
+    refused = r"invalid value for 'nvme-capacity': '(true|yes)' is not a size"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(flags={"nvme-capacity": "true"}, env={})
+    with pytest.raises(ConfigError, match=refused):
+        load_config(env={"KVSTRATA_NVME_CAPACITY": "yes"})
+    cfg = load_config(env={})
+    with pytest.raises(ConfigError, match="'prefetch-bandwidth': true is a boolean"):
+        cfg.set("prefetch-bandwidth", True)
+    assert cfg.get("prefetch-bandwidth") == 0
+    r = redis.Redis(port=server.port, decode_responses=True)
+    for key in ("prefetch-bandwidth", "lease-ttl", "dram-high-watermark"):
+        before = r.config_get(key)
+        with pytest.raises(redis.ResponseError, match=key):
+            r.config_set(key, "true")
+        assert r.config_get(key) == before
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "7379.5"])
+def test_a_toml_float_is_no_integer(value: str, tmp_path: Path) -> None:
+    toml = tmp_path / "kvstrata.toml"
+    toml.write_text(f"port = {value}\n")
+    with pytest.raises(ConfigError, match=r"invalid value for 'port': .* is not an integer"):
+        load_config(env={}, config_file=toml)

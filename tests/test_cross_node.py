@@ -109,6 +109,39 @@ def test_session_prefetch_on_b_before_the_next_lease(
     rb.execute_command("KV.RELEASE", lease_id)
 
 
+def test_planted_session_with_a_400_digit_expiry_is_absent_and_the_own_record_kept(
+    make_server: Callable[..., RunningServer], moto_server: MotoServer, s3_bucket: str
+) -> None:
+    """Scenario (no s3-auth-key): B knows A's 4-chunk chain from S3 and records session
+    conv-8 at its tail; then an object planted with boto3 replaces B's session object: tail
+    chunk 1, ``expires_ms`` a 400-digit integer. KV.PREFETCH SESSION used to answer ``-ERR
+    internal error … int too large to convert to float`` after dropping B's record; now the
+    object is an invalid one (counted, left in the bucket) and B's own tail is prefetched: 4
+    chunks, served with A's bytes."""
+    from kvstrata.tiers.s3_objects import session_name
+
+    ra, rb = pair(make_server, moto_server.endpoint, s3_bucket)
+    hashes = chunk_hashes(struct.pack("<64I", *range(300, 364)), NS, CHUNK)
+    payloads = put_chain(ra, hashes)
+    assert rb.execute_command("KV.MATCH", NS, *hashes) == 4
+    assert rb.execute_command("KV.SESSION", NS, "conv-8", hashes[-1]) == b"OK"
+    deadline = time.monotonic() + 20
+    while info(rb, "tiers")["s3_sessions_written"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert info(rb, "tiers")["s3_sessions_written"] == 1
+    fields = f'"namespace":"{NS}","session":"{b"conv-8".hex()}","tail":"{hashes[1].hex()}"'
+    body = ('{"format":1,' + fields + ',"expires_ms":' + "9" * 400 + "}").encode()
+    name = session_name("kvstrata", NS, b"conv-8")
+    s3 = moto_server.client()
+    s3.put_object(Bucket=s3_bucket, Key=name, Body=body)
+    request_id, queued = rb.execute_command("KV.PREFETCH", NS, "SESSION", "conv-8")
+    assert request_id > 0 and queued == 4
+    assert wait_prefetched(rb, 1)["prefetch_chunks"] == 4
+    assert info(rb, "tiers")["s3_invalid_objects"] == 1
+    assert [rb.execute_command("KV.GET", NS, h) for h in hashes] == payloads
+    assert s3.get_object(Bucket=s3_bucket, Key=name)["Body"].read() == body
+
+
 def wait_prefetched(r: redis.Redis, done: int) -> dict[str, Any]:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

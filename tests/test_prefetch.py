@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from kvstrata.store.prefetch import PrefetchRequest, PrefetchScheduler
 from kvstrata.store.sessions import SessionTable
 from tests.fakes import FakeTier, chain, make_dram, open_store
@@ -203,6 +205,16 @@ def test_session_table_ttl_and_limit() -> None:
     assert entry is not None and entry.tail == b"h2"
     now[0] = 10_000.0
     assert table.get("ns", b"b") is None and table.sweep() == 1
+
+
+def test_session_table_keeps_the_old_record_when_a_new_one_fails() -> None:
+    """A TTL no float can hold (10**400 ms) fails before the old record is touched."""
+    table = SessionTable()
+    table.record("ns", b"a", b"h1", ttl_ms=60_000)
+    with pytest.raises(OverflowError):
+        table.record("ns", b"a", b"h2", ttl_ms=10**400)
+    entry = table.get("ns", b"a")
+    assert entry is not None and entry.tail == b"h1" and len(table) == 1
 
 
 def test_session_and_prefetch_commands() -> None:

@@ -110,7 +110,8 @@ def test_malformed_metadata_is_a_counted_miss_left_in_the_bucket(
 ) -> None:
     """Scenario: objects planted with boto3 whose payload checksum is right but whose metadata
     a KV.PUT could never carry (empty codec, a parent equal to the hash, negative or too many
-    tokens, a 65-byte parent, no kvstrata metadata at all). Nodes B and C see misses, count
+    tokens, a 65-byte parent, numbers written as no kvstrata writer writes them (``1_0``,
+    ``+4``, 400 digits), no kvstrata metadata at all). Nodes B and C see misses, count
     them in INFO (s3_invalid_objects), and every object stays in the bucket."""
     bad = {
         b"codec-empty": {"kvs-codec": ""},
@@ -118,6 +119,10 @@ def test_malformed_metadata_is_a_counted_miss_left_in_the_bucket(
         b"tokens-neg": {"kvs-tokens": "-1"},
         b"tokens-big": {"kvs-tokens": str(2**31)},
         b"long-parent": {"kvs-parent": "ab" * 65},
+        b"tokens-underscore": {"kvs-tokens": "1_0"},
+        b"tokens-plus": {"kvs-tokens": "+4"},
+        b"tokens-huge": {"kvs-tokens": "9" * 400},
+        b"size-underscore": {"kvs-size": f"{SIZE // 1000}_{SIZE % 1000:03d}"},
     }
 
     async def main() -> None:
@@ -407,9 +412,10 @@ def test_planted_session_objects_are_counted_misses(
 
     async def main() -> None:
         client = moto_server.client()
-        good = encode_session(SessionObject(NS, b"s-ok", b"tail", 2**62))
+        hour = int(time.time() * 1000) + 3_600_000
+        good = encode_session(SessionObject(NS, b"s-ok", b"tail", hour))
         bodies = {b"s-junk": b"not json", b"s-deep": b"[" * 3000 + b"]" * 3000,
-                  b"s-other": encode_session(SessionObject(NS, b"elsewhere", b"t", 2**62)),
+                  b"s-other": encode_session(SessionObject(NS, b"elsewhere", b"t", hour)),
                   b"s-ok": good}  # fmt: skip
         for sid, body in bodies.items():
             client.put_object(Bucket=s3_bucket, Key=session_name("kvstrata", NS, sid), Body=body)
@@ -421,6 +427,89 @@ def test_planted_session_objects_are_counted_misses(
             assert await c.prefetch_session_shared(NS, b"s-ok") == (0, 0)
             assert tier_row(c)["auth_failures"] == 1
         assert len(names(moto_server, s3_bucket)) == 4
+
+    run(main())
+
+
+def _session_doc(sid: bytes, tail: bytes) -> dict[str, Any]:
+    return {"format": 1, "namespace": NS, "session": sid.hex(), "tail": tail.hex(),
+            "expires_ms": int(time.time() * 1000) + 3_600_000}  # fmt: skip
+
+
+#: (what is wrong, the body's JSON text given a valid document): every field out of range or
+#: of the wrong type, missing fields, overlong strings, NaN
+BAD_SESSIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("expires 400 digits", lambda d: _json(d, expires_ms=10**400)),
+    ("expires negative", lambda d: _json(d, expires_ms=-1)),
+    ("expires 31 days ahead", lambda d: _json(d, expires_ms=d["expires_ms"] + 31 * 86_400_000)),
+    ("expires float", lambda d: _json(d, expires_ms=float(d["expires_ms"]))),
+    ("expires NaN", lambda d: _json(d, expires_ms=float("nan"))),
+    ("expires Infinity", lambda d: _json(d, expires_ms=float("inf"))),
+    ("expires string", lambda d: _json(d, expires_ms=str(d["expires_ms"]))),
+    ("expires true", lambda d: _json(d, expires_ms=True)),
+    ("expires null", lambda d: _json(d, expires_ms=None)),
+    ("format true", lambda d: _json(d, format=True)),
+    ("format string", lambda d: _json(d, format="1")),
+    ("format float", lambda d: _json(d, format=1.0)),
+    ("namespace int", lambda d: _json(d, namespace=5)),
+    ("session int", lambda d: _json(d, session=12)),
+    ("session not hex", lambda d: _json(d, session="zz")),
+    ("tail empty", lambda d: _json(d, tail="")),
+    ("tail 65 bytes", lambda d: _json(d, tail="ab" * 65)),
+    ("tail list", lambda d: _json(d, tail=[d["tail"]])),
+    ("tail overlong", lambda d: _json(d, tail="ab" * 1800)),
+    ("body too large", lambda d: _json(d, pad="x" * 5000)),
+    *[(f"no {k}", lambda d, k=k: _json({f: v for f, v in d.items() if f != k}))
+      for k in ("format", "namespace", "session", "tail", "expires_ms")],
+    ("an array", lambda d: "[1, 2, 3]"),
+    ("a number", lambda d: "7"),
+]  # fmt: skip
+
+
+def _json(doc: dict[str, Any], **changes: Any) -> str:
+    import json
+
+    return json.dumps({**doc, **changes})
+
+
+def test_planted_session_fields_out_of_range_are_counted_and_the_own_record_kept(
+    moto_server: MotoServer, s3_bucket: str
+) -> None:
+    """Scenario: node B (no s3-auth-key) stores a 6-chunk chain (write-through) and records
+    session conv-9 at its tail. Each planted object then replaces B's session object with one
+    that names chunk 2 as the tail and is wrong in one field (a 400-digit expires_ms used to
+    answer ``-ERR internal error … int too large to convert to float`` after dropping B's own
+    record). KV.PREFETCH SESSION answers normally: the object is absent (counted, left in the
+    bucket) and B's own record of the tail is kept, so the whole chain (6, not 3) is promoted
+    from S3 with its bytes."""
+    from kvstrata.tiers.s3_objects import session_name
+
+    async def main() -> None:
+        hashes = chain(6)
+        name = session_name("kvstrata", NS, b"conv-9")
+        client = moto_server.client()
+        async with node(moto_server, s3_bucket, s3_write_policy="write-through") as b:
+            await put_chain(b, hashes)
+            b.record_session(NS, b"conv-9", hashes[-1])
+            assert await poll(lambda: b.hints.shared.written == 1)
+            doc = _session_doc(b"conv-9", hashes[2])
+            for n, (what, body) in enumerate(BAD_SESSIONS, start=1):
+                await b.placement.make_room(0, 1 << 20)  # every chunk back to s3 only
+                assert b.match_tiers(NS, hashes) == ["s3"] * 6, what
+                client.put_object(Bucket=s3_bucket, Key=name, Body=body(doc).encode())
+                assert (await b.prefetch_session_shared(NS, b"conv-9"))[1] == 6, what
+                await b.prefetch_idle()
+                assert tier_row(b)["invalid_objects"] == n, what
+                entry = b.hints.sessions.get(NS, b"conv-9")
+                assert entry is not None and entry.tail == hashes[-1], what
+                assert b.match_tiers(NS, hashes) == ["dram"] * 6, what
+            assert [await read(b, h) for h in hashes] == [blob(i) for i in range(6)]
+            got = client.get_object(Bucket=s3_bucket, Key=name)["Body"].read()
+            assert got == BAD_SESSIONS[-1][1](doc).encode()  # left in the bucket
+            client.put_object(Bucket=s3_bucket, Key=name, Body=_json(doc).encode())
+            await b.placement.make_room(0, 1 << 20)
+            assert (await b.prefetch_session_shared(NS, b"conv-9"))[1] == 3  # a valid one wins
+            assert tier_row(b)["invalid_objects"] == len(BAD_SESSIONS)
 
     run(main())
 

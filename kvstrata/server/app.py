@@ -20,10 +20,10 @@ import secrets
 import signal
 import ssl
 import time
-from pathlib import Path
 from typing import Any
 
 from kvstrata.config import Config, ConfigError
+from kvstrata.datadir import FolderLock, lock_folders
 from kvstrata.server import fastpath
 from kvstrata.server.cmdstats import CommandStats
 from kvstrata.server.connection import Connection
@@ -72,6 +72,8 @@ class Server:
         self._cron: asyncio.Task[None] | None = None
         #: ``trace-file``: the KV command recorder (kvstrata.sim.trace), None when off
         self.tracer: TraceRecorder | None = None
+        #: the data folder's lock (and the NVMe folder's), held from listen() to shutdown()
+        self._folder_locks: list[FolderLock] = []
 
     # -- life cycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -80,8 +82,22 @@ class Server:
         await self.load()
 
     async def listen(self) -> None:
-        """Bind the listeners (``loading`` until :meth:`load` is done) and start periodic work."""
-        _ensure_data_dir(self.config.data_dir)
+        """Lock the data folder (``datadir``: a second server on it stops here), bind the
+        listeners (``loading`` until :meth:`load` is done) and start periodic work."""
+        nvme = self.config.nvme_dir if self.config.nvme_capacity else None
+        self._folder_locks = lock_folders(self.config.data_dir, nvme)
+        try:
+            await self._listen()
+        except BaseException:
+            self._release_folders()
+            raise
+
+    def _release_folders(self) -> None:
+        for lock in self._folder_locks:
+            lock.release()
+        self._folder_locks = []
+
+    async def _listen(self) -> None:
         tls_context = self._ssl_context() if self.config.tls_port else None
         self.loading = True
         self.loading_start_time = time.time()
@@ -208,6 +224,7 @@ class Server:
             await self.store.close(save_budget=self._save_budget())
         if self.tracer is not None:
             self.tracer.close()
+        self._release_folders()  # last: the store no longer writes there
         log.info("kvstrata stopped")
 
     def _save_budget(self) -> float | None:
@@ -295,17 +312,6 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, ssl.SSLError):
         return str(exc.reason or exc)
     return str(getattr(exc, "strerror", None) or exc)
-
-
-def _ensure_data_dir(path: str) -> None:
-    """Create the data folder (the embedded default lives there); a clear error otherwise."""
-    folder = Path(path)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OSError(f"cannot create data-dir {folder}: {exc.strerror or exc}") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise OSError(f"data-dir {folder} is not writable")
 
 
 def _fast_specs(registry: Any) -> dict[bytes, Any]:

@@ -19,6 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 DEFAULT_TTL_MS = 3_600_000  # one hour
+MAX_TTL_MS = 30 * 86_400_000  # KV.SESSION's TTL limit: 30 days
+#: how far another node's wall clock may run ahead of ours when it wrote a session object
+MAX_CLOCK_SKEW_MS = 3_600_000
 MAX_SESSIONS = 100_000
 MAX_SESSION_BYTES = 256
 
@@ -49,8 +52,9 @@ class SessionTable:
     def record(self, ns: str, session: bytes, tail: bytes, ttl_ms: int = DEFAULT_TTL_MS) -> bool:
         """Remember the session's tail; True when the tail moved (or the session is new)."""
         key = (ns, session)
-        old = self._items.pop(key, None)
-        self._items[key] = Session(ns, session, tail, self.clock() + ttl_ms / 1000.0)
+        entry = Session(ns, session, tail, self.clock() + ttl_ms / 1000.0)  # before the pop:
+        old = self._items.pop(key, None)  # a failure above leaves the old record in place
+        self._items[key] = entry
         self.recorded += 1
         while len(self._items) > self.limit:
             self._items.popitem(last=False)

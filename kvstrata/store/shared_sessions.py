@@ -14,6 +14,12 @@ then the session waits in a bounded table here.
 parent links: the local index first, the shared tier (one HEAD per chunk, each adopted into the
 index the way KV.MATCH adopts them) for ancestors this node does not know, within one
 lookup timeout. Failures never escape: S3 errors are counted and logged like other lookups.
+
+The bucket is untrusted input: the tier checks every field of a session object
+(``s3_objects.decode_session``: JSON types, hash lengths, an expiry at most
+:data:`~kvstrata.store.sessions.MAX_TTL_MS` plus :data:`MAX_CLOCK_SKEW_MS` ahead) and counts a
+bad one with the invalid chunk objects; here it is absent, and this node's own record of the
+session stays as it was.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.kvstore_remote import RemotePath
 from kvstrata.store.kvstore_state import StoreState
+from kvstrata.store.sessions import MAX_CLOCK_SKEW_MS, MAX_TTL_MS
 from kvstrata.tiers.base import TierError
 from kvstrata.tiers.s3_objects import SessionObject
 
@@ -45,7 +52,9 @@ class SessionStore(Protocol):
 
     async def put_session(self, obj: SessionObject) -> None: ...
 
-    async def get_session(self, ns: str, session: bytes) -> SessionObject | None: ...
+    async def get_session(
+        self, ns: str, session: bytes, max_ttl_ms: int
+    ) -> SessionObject | None: ...
 
 
 class SharedSessions:
@@ -131,7 +140,7 @@ class SharedSessions:
         if self.tier is None:
             return None
         try:
-            obj = await self.tier.get_session(ns, session)
+            obj = await self.tier.get_session(ns, session, MAX_TTL_MS + MAX_CLOCK_SKEW_MS)
         except TierError as exc:
             self.state.tier_error(self.tier.name, f"session {session.hex()[:16]}", exc)
             return None

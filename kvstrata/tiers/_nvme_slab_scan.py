@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.datadir import LOCK_NAME
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers._nvme_files import ChunkFiles
 from kvstrata.tiers._nvme_format import FLAG_SLOT, HEADER_SIZE, BadHeader, decode_header
@@ -89,7 +90,7 @@ def rebuild(
     opened) and invalidate the stale slots (a failure is logged and the copy loses again at
     the next start); the stale files are named, for the tier to remove."""
     root = files.root
-    keep = {".kvstrata-probe", SYNC_MARKER}
+    keep = {".kvstrata-probe", SYNC_MARKER, LOCK_NAME}  # LOCK_NAME: the server's, held
     shard_results, moved = scan_all(root, shards, frozenset(files.in_flight), threads, keep)
     slab_results = scan_slabs(slabs, root, threads)
     found = [item for shard in shard_results for item in shard.found]

@@ -228,12 +228,14 @@ class S3Tier(Tier):
         await self._call("put", self._req.put_session, name, obj)
         self.stats.extra["sessions_written"] += 1
 
-    async def get_session(self, ns: str, session: bytes) -> SessionObject | None:
-        """The session another node recorded; None when absent, expired, invalid or not
-        authentic (the last two counted). Raises TierError when S3 fails."""
+    async def get_session(self, ns: str, session: bytes, max_ttl_ms: int) -> SessionObject | None:
+        """The session another node recorded; None when absent, expired, invalid (any field,
+        an expiry more than ``max_ttl_ms`` ahead included) or not authentic (the last two
+        counted and logged). Raises TierError when S3 fails."""
         name = session_name(self.prefix, ns, session)
+        get = self._req.get_session
         try:
-            obj: SessionObject = await self._call("get", self._req.get_session, name, ns, session)
+            obj: SessionObject = await self._call("get", get, name, ns, session, max_ttl_ms)
         except ChunkMissing:
             return None
         except (InvalidObject, AuthFailure) as exc:

@@ -32,6 +32,7 @@ _M_CODEC, _M_CHECKSUM, _M_SIZE = "kvs-codec", "kvs-checksum", "kvs-size"
 _M_TAG, _M_META_TAG, _M_KIND = "kvs-tag", "kvs-meta-tag", "kvs-kind"
 SESSIONS = "sessions"
 MAX_SESSION_BODY = 4096
+MAX_SESSION_ID_BYTES = 256  # a session id (KV.SESSION's limit); a tail hash is at most 64
 
 
 def _escape_namespace(ns: str) -> str:
@@ -102,7 +103,7 @@ def decode_metadata(key: ChunkKey, md: Mapping[str, str], length: int) -> ChunkM
     if version != FORMAT_VERSION:
         return None
     try:
-        size, tokens = int(md[_M_SIZE]), int(md[_M_TOKENS])
+        size, tokens = _decimal(md[_M_SIZE]), _decimal(md[_M_TOKENS])
         parent, digest = bytes.fromhex(md[_M_PARENT]), bytes.fromhex(md[_M_CHECKSUM])
         codec = unquote(md[_M_CODEC], errors="strict")
     except (KeyError, ValueError) as exc:
@@ -115,6 +116,14 @@ def decode_metadata(key: ChunkKey, md: Mapping[str, str], length: int) -> ChunkM
         return validate_meta(ChunkMeta(key, parent, tokens, size, digest, codec))
     except CommandError as exc:
         raise InvalidObject(str(exc)) from None
+
+
+def _decimal(text: str) -> int:
+    """A number as ``str(int)`` writes it: ``int()`` alone also takes ``+4``, ``1_000``, spaces
+    and non-ASCII digits, which no kvstrata writer produces (range checks follow)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 20):
+        raise ValueError(f"{text[:24]!r} is not a decimal number")
+    return int(text)
 
 
 def payload_tag(md: Mapping[str, str], meta: ChunkMeta, auth: ObjectAuth) -> bytes:
@@ -158,17 +167,41 @@ def encode_session(obj: SessionObject) -> bytes:
     }, separators=(",", ":")).encode()  # fmt: skip
 
 
-def decode_session(ns: str, session: bytes, body: bytes) -> SessionObject:
-    """The session object, checked like a KV.SESSION; raises InvalidObject."""
+def decode_session(
+    ns: str, session: bytes, body: bytes, max_ttl_ms: int, now_ms: int | None = None
+) -> SessionObject:
+    """The session object, every field checked as a KV.SESSION is; raises InvalidObject.
+
+    The bucket is untrusted: a field of the wrong JSON type (a float, ``NaN``, ``true`` for 1,
+    a string for a number), a hash of the wrong length or an expiry a KV.SESSION could not
+    have set (negative, or more than ``max_ttl_ms`` ahead of ``now_ms``: a 400-digit integer
+    used to reach the session table and fail there with OverflowError) is invalid. An expiry
+    in the past is valid (an expired session, which the caller treats as absent)."""
     try:
         doc = json.loads(body)
-        fmt, obj_ns, sid = doc["format"], doc["namespace"], bytes.fromhex(doc["session"])
-        tail, expires = validate_hash(bytes.fromhex(doc["tail"])), doc["expires_ms"]
+        fmt, obj_ns, expires = doc["format"], doc["namespace"], doc["expires_ms"]
+        sid, tail = _hex_field(doc, "session"), validate_hash(_hex_field(doc, "tail"))
     except (ValueError, KeyError, TypeError, RecursionError, CommandError) as exc:
         raise InvalidObject(f"bad session object: {type(exc).__name__}") from None
-    if fmt != int(FORMAT_VERSION) or obj_ns != ns or sid != session or type(expires) is not int:
-        raise InvalidObject("session object of another format, session or namespace")
+    if type(fmt) is not int or fmt != int(FORMAT_VERSION):
+        raise InvalidObject("session object of another format")
+    if type(obj_ns) is not str or obj_ns != ns or sid != session:
+        raise InvalidObject("session object of another session or namespace")
+    if type(expires) is not int:  # bool is a subclass of int; floats (NaN too) are refused
+        raise InvalidObject(f"session expires_ms is a {type(expires).__name__}, not an integer")
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    if not 0 <= expires <= now + max_ttl_ms:
+        raise InvalidObject("session expires_ms out of range")
     return SessionObject(ns, session, tail, expires)
+
+
+def _hex_field(doc: Mapping[str, object], name: str) -> bytes:
+    """A hex string field (a session id or a hash), refused before decoding when it is not a
+    string or longer than any session id."""
+    value = doc[name]
+    if type(value) is not str or len(value) > 2 * MAX_SESSION_ID_BYTES:
+        raise TypeError(name)
+    return bytes.fromhex(value)
 
 
 def session_metadata(tag: bytes | None) -> dict[str, str]:

@@ -172,7 +172,7 @@ class S3Requests:
             Bucket=self.bucket, Key=name, Body=body, Metadata=session_metadata(tag)
         )
 
-    def get_session(self, name: str, ns: str, session: bytes) -> SessionObject:
+    def get_session(self, name: str, ns: str, session: bytes, max_ttl_ms: int) -> SessionObject:
         resp = self.client.get_object(Bucket=self.bucket, Key=name)
         body = resp["Body"]
         try:
@@ -181,6 +181,8 @@ class S3Requests:
             data = body.read(MAX_SESSION_BODY + 1)
         finally:
             body.close()
+        if len(data) > MAX_SESSION_BODY:
+            raise InvalidObject("session object too large")
         if self.auth is not None:
             check_session_tag(resp.get("Metadata", {}), name, data, self.auth)
-        return decode_session(ns, session, data)
+        return decode_session(ns, session, data, max_ttl_ms)

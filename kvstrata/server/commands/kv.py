@@ -140,7 +140,10 @@ _PUT_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
     reply="Integer: 1 when stored, 0 when NX was given and the chunk already exists. "
     "-OOM when it fits in no tier; `-OOM N writes are already waiting for DRAM room "
     "(write-wait-queue)` / `-OOM no DRAM room for N bytes within S s (write-wait-timeout)` "
-    "when the queue for DRAM room is full or its wait ran out.",
+    "when the queue for DRAM room is full or its wait ran out. -BUSY when the chunk is stored "
+    "with other bytes and leased (`-BUSY chunk … is leased; retry after KV.RELEASE`), or "
+    "another client's write or free of it did not end within 30 s (`-BUSY chunk … is being "
+    "written or freed; retry`).",
     sink=_put_sink,
 )
 def kv_put(ctx: Ctx, args: Args) -> Reply:

@@ -143,7 +143,8 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
     "connection's live write-lease bytes), or for a TTL above write-lease-ttl-max (without "
     "TTL, lease-ttl cut to it); -OOM when no slot can be made, or "
     "(write-wait-queue, write-wait-timeout) when the queue for DRAM room is full or its wait "
-    "ran out.",
+    "ran out. -BUSY when another client is writing or freeing the chunk at that moment "
+    "(`-BUSY chunk … is being written or freed by another client`; retry).",
 )
 async def kv_reserve(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])

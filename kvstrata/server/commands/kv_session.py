@@ -35,9 +35,10 @@ from kvstrata.server.commands.kv import (
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.keys import validate_hash, validate_namespace
+from kvstrata.store.sessions import MAX_TTL_MS
 
 SESSION = Arg("session", "string")
-SESSION_TTL_MAX = 30 * 86_400_000
+SESSION_TTL_MAX = MAX_TTL_MS
 DEADLINE_MAX = 86_400_000
 MAX_SESSION_BYTES = 256
 
