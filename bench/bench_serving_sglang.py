@@ -1,6 +1,10 @@
 """Serving benchmark, SGLang contender: SGLang 0.5.23's real server on CPU (the test-only shims of
 tests/engines/sglang_server), HiCache's host pool only vs host pool + kvstrata as L3.
 
+Model: a random Llama (default hidden 512, 4 layers, KV heads 2 x 64, float32), wide enough
+that prefill costs more than loading its KV (the test's tiny model recomputes 2,000 tokens in
+about 0.2 s, less than HiCache's prefetch round trip).
+
 Workload (the same kind as bench/bench_serving.py's): multi-turn conversations with think times.
 Each conversation starts from its own long context (``--context`` tokens of words) and each turn
 adds ``--turn`` new tokens plus the previous answer; ``--clients`` clients each drive their
@@ -117,10 +121,13 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--think", type=float, default=0.5, help="mean think time, seconds")
     p.add_argument("--device-tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=512, help="model width (heads of 64)")
+    p.add_argument("--layers", type=int, default=4)
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-serving-sglang-"))
-    model = write_model(work / "tiny-llama")
+    model = write_model(work / "llama", hidden=args.hidden, layers=args.layers,
+                        intermediate=args.hidden * 11 // 4)  # fmt: skip
     rows = []
     for label, with_l3 in (("HiCache host pool only", False), ("+ kvstrata L3", True)):
         kv = (
@@ -143,7 +150,8 @@ def main() -> None:
         rows.append((label, len(later), pct(ttfts, 0.5), pct(ttfts, 0.99), statistics.mean(ttfts),
                      sum(t.cached for t in later) / max(1, sum(t.prompt_tokens for t in later)),
                      sum(t.storage for t in later)))  # fmt: skip
-    print(f"\nSGLang 0.5.23 on CPU, tiny Llama, {args.conversations} conversations x {args.turns} "
+    print(f"\nSGLang 0.5.23 on CPU, random Llama (hidden {args.hidden}, {args.layers} layers, "
+          f"KV heads 2x64), {args.conversations} conversations x {args.turns} "
           f"turns ({args.context}+{args.turn}/turn tokens), {args.clients} clients, think "
           f"{args.think}s, device pool {args.device_tokens} tokens, host pool x2")  # fmt: skip
     print(f"{'config':<24} {'turns':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'mean':>7} "

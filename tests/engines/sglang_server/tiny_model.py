@@ -24,8 +24,10 @@ def words(n: int, seed: int) -> str:
     return " ".join(f"w{rng.randrange(VOCAB)}" for _ in range(n))
 
 
-def write_model(path: Path) -> Path:
-    """Write the model and tokenizer into ``path`` (once; reused when already there)."""
+def write_model(path: Path, hidden: int = 64, layers: int = 2, intermediate: int = 128) -> Path:
+    """Write the model and tokenizer into ``path`` (once; reused when already there). The
+    default is tiny (2 layers, 4 query and 2 KV heads of 16); the serving benchmark asks for a
+    wider one (heads of 64), so that prefill costs what a KV load saves."""
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return path
     import torch
@@ -44,10 +46,10 @@ def write_model(path: Path) -> Path:
 
     torch.manual_seed(SEED)
     config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=max(4, hidden // 64),
         num_key_value_heads=2,
         vocab_size=len(fast),
         max_position_embeddings=4096,
