@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,8 +173,11 @@ def test_kvstrata_killed_sglang_keeps_answering_then_hits_resume(stack: Stack) -
     assert_l3_hit(stack, b, seed=4)
 
 
-def test_no_stray_processes(stack: Stack) -> None:
-    for srv in stack.servers.values():
-        if srv.proc.poll() is None:
-            assert srv.healthy()
-    assert all(isinstance(s.proc, subprocess.Popen) for s in stack.servers.values())
+def test_the_outage_was_misses_inside_the_backend(stack: Stack) -> None:
+    """While kvstrata was down the backend turned every failure into HiCache's miss values and
+    logged it; no exception reached SGLang's prefetch or backup threads."""
+    for name in ("a2", "b"):
+        log = stack.servers[name].log_text()
+        assert "kvstrata HiCache storage" in log and "failed" in log, name
+        assert "HiCache prefetch transfer failed" not in log, log[-4000:]
+        assert "HiCache prefetch success" in log
