@@ -128,7 +128,11 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         layout = getattr(mem_pool_host, "layout", None)
         layers = getattr(mem_pool_host, "layer_num", None)
         page = f"p{mem_pool_host.page_size}"
-        self.namespace = namespace_of([*self._parts, dtype, page, layers and f"l{layers}", layout])
+        # "kv": layer_first pages in the flat data page's order (K layers, then V layers); the
+        # namespace without it held v1 pages in SGLang's K0 V0 K1 V1 order, never read as these
+        order = "kv" if layout == "layer_first" else None
+        parts = [*self._parts, dtype, page, layers and f"l{layers}", layout, order]
+        self.namespace = namespace_of(parts)
 
     def _hashes(self, keys: Sequence[str]) -> list[bytes]:
         return [key_hash(k) for k in keys]
@@ -242,13 +246,19 @@ class KvstrataHiCacheStorage(HiCacheStorage):
     # -- the zero-copy path over the host pool (interface_v1) ----------------------------------
 
     def _page_buffers(self, keys: list[str], host_indices: torch.Tensor) -> list[list[np.ndarray]]:
-        """Per page, the host pool's buffers of that page (views, no copy)."""
+        """Per page, the host pool's buffers of that page (views, no copy), in the byte order
+        of SGLang's flat data page (``get_data_page``, what the generic path stores): all K,
+        then all V. ``layer_first``'s buffer meta lists them K0 V0 K1 V1 …, so they are
+        reordered; ``page_first`` gives one K and one V buffer, already in that order."""
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         if not keys or len(ptrs) % len(keys):
             raise ValueError(f"{len(ptrs)} page buffers for {len(keys)} keys")
         n = len(ptrs) // len(keys)
         arrays = [pointer_array(int(p), int(s)) for p, s in zip(ptrs, sizes, strict=True)]
-        return [arrays[i * n : (i + 1) * n] for i in range(len(keys))]
+        pages = [arrays[i * n : (i + 1) * n] for i in range(len(keys))]
+        if getattr(self.mem_pool_host, "layout", None) == "layer_first":
+            pages = [page[0::2] + page[1::2] for page in pages]
+        return pages
 
     def batch_get_v1(
         self,

@@ -62,3 +62,39 @@ class PageFirstHostPool:
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         shape = (2, self.page_size, self.layer_num, self.head_num, self.head_dim)
         self.kv_buffer[:, index : index + self.page_size] = data_page.reshape(shape)
+
+
+class LayerFirstHostPool(PageFirstHostPool):
+    """The ``layer_first`` layout (``kv_buffer`` is ``[2, layers, tokens, heads, dim]``), with
+    SGLang 0.5.23's arithmetic of that branch: ``get_page_buffer_meta`` gives a K and a V
+    pointer per layer of each page (K0 V0 K1 V1 …), while ``get_data_page`` (the generic path's
+    page) is all K layers, then all V layers."""
+
+    layout = "layer_first"
+
+    def __init__(self, pages: int, **kwargs: object) -> None:
+        super().__init__(pages, **kwargs)  # type: ignore[arg-type]
+        shape = (2, self.layer_num, self.size, self.head_num, self.head_dim)
+        self.kv_buffer = torch.zeros(shape, dtype=self.dtype)
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        assert len(indices) % self.page_size == 0
+        itemsize = self.dtype.itemsize
+        row = self.head_num * self.head_dim * itemsize
+        base = self.kv_buffer.data_ptr()
+        v_offset = self.layer_num * self.size * row
+        idx = indices.tolist()
+        ptrs: list[int] = []
+        for i in range(0, len(idx), self.page_size):
+            for layer in range(self.layer_num):
+                k_ptr = base + idx[i] * row + layer * self.size * row
+                ptrs += [k_ptr, k_ptr + v_offset]
+        return ptrs, [self.page_size * row] * len(ptrs)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.kv_buffer[:, :, index : index + self.page_size]
+        return page.flatten() if flat else page
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        shape = (2, self.layer_num, self.page_size, self.head_num, self.head_dim)
+        self.kv_buffer[:, :, index : index + self.page_size] = data_page.reshape(shape)

@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 from kvstrata.clients.adapters import key_hash
 from kvstrata.clients.sglang import KvstrataHiCacheStorage
 from tests.conftest import RunningServer
-from tests.engines.sglang.hostpool import PageFirstHostPool
+from tests.engines.sglang.hostpool import LayerFirstHostPool, PageFirstHostPool
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -65,9 +65,11 @@ Build = Callable[..., tuple[KvstrataHiCacheStorage, PageFirstHostPool]]
 
 @pytest.fixture
 def build(kv: RunningServer) -> Build:
-    def make(pages: int = 16, tp_rank: int = 0, **extra: Any) -> Any:
+    def make(
+        pages: int = 16, tp_rank: int = 0, pool_cls: type = PageFirstHostPool, **extra: Any
+    ) -> Any:
         cfg = storage_config(f"redis://127.0.0.1:{kv.port}", tp_rank, **extra)
-        pool = PageFirstHostPool(pages)
+        pool = pool_cls(pages)
         backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
         backend.register_mem_pool_host(pool)  # as HiCacheController.attach_storage_backend does
         return backend, pool
@@ -133,6 +135,37 @@ def test_generic_get_set_round_trip(build: Build) -> None:
     one = backend.get(keys[1], pool.get_dummy_flat_data_page())
     assert one is not None and torch.equal(one, pages[1])
     assert backend.set("single", pages[0]) and backend.exists("single")
+
+
+@pytest.mark.parametrize("pool_cls", [PageFirstHostPool, LayerFirstHostPool])
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_v1_and_generic_servers_read_each_others_pages(
+    build: Build, pool_cls: type, zero_copy: bool
+) -> None:
+    """Two SGLang servers sharing kvstrata, one on the zero-copy v1 interface, one on the
+    generic one (``interface_v1`` 0), share a namespace: a page either stores must read back
+    as the same KV through the other. For ``layer_first`` SGLang's v1 buffers of a page are
+    K0 V0 K1 V1 … while its flat data page is K0 K1 … V0 V1 …: stored in v1 order, the generic
+    server read every page with K and V of different layers swapped, silently."""
+    v1, src = build(pool_cls=pool_cls, zero_copy=zero_copy)
+    generic, dst = build(pool_cls=pool_cls, interface_v1=0, zero_copy=zero_copy)
+    assert v1.namespace == generic.namespace
+    fill(src)
+    n, ps = 3, src.page_size
+    keys = page_keys(n, f"mixed-{pool_cls.layout}-{zero_copy}")
+    assert v1.batch_set_v1(keys, src.page_indices(0, n)) == [True] * n
+    got = generic.batch_get(keys, [dst.get_dummy_flat_data_page() for _ in keys])
+    for i, page in enumerate(got):
+        assert page is not None
+        dst.set_from_flat_data_page(i * ps, page)
+        assert torch.equal(dst.get_data_page(i * ps), src.get_data_page(i * ps))
+    # and the other way: the generic server's pages loaded by the v1 one
+    fill(dst)
+    back = page_keys(n, f"back-{pool_cls.layout}-{zero_copy}")
+    assert generic.batch_set(back, [dst.get_data_page(i * ps) for i in range(n)])
+    assert v1.batch_get_v1(back, src.page_indices(5, n)) == [True] * n
+    for i in range(n):
+        assert torch.equal(src.get_data_page((5 + i) * ps), dst.get_data_page(i * ps))
 
 
 def test_batch_exists_counts_leading_hits_only(build: Build) -> None:
