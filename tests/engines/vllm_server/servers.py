@@ -91,7 +91,7 @@ def start_vllm(
     *,
     dtype: str = "float32",
     device_blocks: int = 160,
-    cpu_bytes: int = 96 * 128 << 10,  # 96 chunks of the tiny model
+    cpu_bytes: int = 152 * 128 << 10,  # 152 chunks of the tiny model
     max_model_len: int = 4096,
     offload: bool = True,
     extra_env: dict[str, str] | None = None,
