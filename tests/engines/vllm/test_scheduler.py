@@ -139,7 +139,7 @@ class Engine:
         for job_id, job in meta.load_jobs.items():  # CPU → GPU: remember which rows
             self.loads.append((job.req_id, [int(r) for r in job.src_spec.chunk_ids]))
             done[job_id] = 1
-            if not job.sync:
+            if not getattr(job, "sync", False):  # vLLM 0.32's load jobs are all async
                 received.add(job.req_id)
         req_ids = [r.request_id for r in self.scheduler.running]
         runner = ModelRunnerOutput(
