@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from multiprocessing import resource_tracker, shared_memory
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.config import Config, load_config
@@ -170,3 +171,16 @@ def cmd(*args: bytes | str) -> bytes:
         raw = a.encode() if isinstance(a, str) else a
         out.append(b"$%d\r\n%b\r\n" % (len(raw), raw))
     return b"".join(out)
+
+
+def write_slot(r: Any, handle: list[Any], data: bytes) -> None:
+    """Fill a reserved slot through the shared-memory region its handle names."""
+    region, offset, length, _ = handle
+    paths = {reg[b"name"]: reg[b"path"] for reg in r.execute_command("KV.REGIONS")}
+    shm = shared_memory.SharedMemory(name=paths[region].decode())
+    resource_tracker.unregister(f"/{shm.name}", "shared_memory")
+    try:
+        assert shm.buf is not None and length == len(data)
+        shm.buf[offset : offset + length] = data
+    finally:
+        shm.close()

@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from tests.conftest import RunningServer
+from tests.fakes import write_slot
 
 NS = "bounds@u8@c16"
 MiB = 1024 * 1024
@@ -56,18 +57,6 @@ def assert_cached(r: redis.Redis, count: int) -> None:
 def evictions(r: redis.Redis) -> int:
     stats: dict[Any, Any] = r.execute_command("KV.STATS")
     return int(stats[b"dram"][b"evictions"]) + int(stats[b"dram"][b"demotions"])
-
-
-def write_slot(r: redis.Redis, handle: list[Any], data: bytes) -> None:
-    region, offset, length, _ = handle
-    paths = {reg[b"name"]: reg[b"path"] for reg in r.execute_command("KV.REGIONS")}
-    shm = shared_memory.SharedMemory(name=paths[region].decode())
-    resource_tracker.unregister(f"/{shm.name}", "shared_memory")
-    try:
-        assert shm.buf is not None and length == len(data)
-        shm.buf[offset : offset + length] = data
-    finally:
-        shm.close()
 
 
 def put_and_lease(r: redis.Redis, h: bytes, data: bytes) -> None:

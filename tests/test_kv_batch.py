@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Iterator
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import pytest
 import redis
 
 from tests.conftest import RunningServer
-from tests.fakes import wait_for
+from tests.fakes import wait_for, write_slot
 
 NS = "batch@u8@c16"
 KiB = 1024
@@ -41,19 +40,6 @@ def r(srv: RunningServer) -> Iterator[redis.Redis]:
 
 def info(r: redis.Redis) -> dict[str, Any]:
     return dict(r.info("tiers"))
-
-
-def write_slot(r: redis.Redis, handle: list[Any], data: bytes) -> None:
-    """Fill a reserved slot through the shared-memory region its handle names."""
-    region, offset, length, _ = handle
-    paths = {reg[b"name"]: reg[b"path"] for reg in r.execute_command("KV.REGIONS")}
-    shm = shared_memory.SharedMemory(name=paths[region].decode())
-    resource_tracker.unregister(f"/{shm.name}", "shared_memory")
-    try:
-        assert shm.buf is not None and length == len(data)
-        shm.buf[offset : offset + length] = data
-    finally:
-        shm.close()
 
 
 def test_batch_is_visible_only_after_commit_and_keeps_the_chain(r: redis.Redis) -> None:
