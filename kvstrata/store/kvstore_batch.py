@@ -38,6 +38,7 @@ from kvstrata.store.leases import (
     ReservedChunk,
     deadline_after,
 )
+from kvstrata.tiers.alloc import round_up
 from kvstrata.tiers.arena import ArenaTier
 from kvstrata.tiers.base import Handle, TierError
 
@@ -84,7 +85,7 @@ def check_batch(items: Sequence[BatchItem], parent: bytes, limit: int, unit: int
         raise CommandError("duplicate hash in the batch: each chunk may appear once")
     if parent and parent in hashes:
         raise CommandError("invalid parent: the chain would loop back to a chunk of the batch")
-    total = sum(_units(item.nbytes, unit) for item in items)
+    total = sum(round_up(item.nbytes, unit) for item in items)
     if total > limit:
         raise CommandError(
             f"invalid nbytes: the batch needs {total} bytes as {len(items)} slots of whole "
@@ -97,10 +98,6 @@ def slot_unit(writes: WritePath) -> int:
     4096 bytes)."""
     dram = writes.state.dram
     return dram.unit if isinstance(dram, ArenaTier) else 1
-
-
-def _units(nbytes: int, unit: int) -> int:
-    return max(unit, -(-nbytes // unit) * unit)
 
 
 def check_room(writes: WritePath, ns: str, items: Sequence[BatchItem]) -> None:

@@ -20,6 +20,11 @@ from dataclasses import dataclass
 DEFAULT_ALIGNMENT = 4096
 
 
+def round_up(nbytes: int, alignment: int) -> int:
+    """The size a request of ``nbytes`` occupies in units of ``alignment`` (at least one)."""
+    return max(alignment, (nbytes + alignment - 1) // alignment * alignment)
+
+
 @dataclass(frozen=True, slots=True)
 class AllocStats:
     """A snapshot of the allocator for INFO."""
@@ -54,8 +59,7 @@ class OffsetAllocator:
 
     def round_up(self, nbytes: int) -> int:
         """The size a request of ``nbytes`` occupies (at least one alignment unit)."""
-        a = self.alignment
-        return max(a, (nbytes + a - 1) // a * a)
+        return round_up(nbytes, self.alignment)
 
     def allocate(self, nbytes: int) -> int | None:
         """Offset of a fresh slot of at least ``nbytes``; None when no extent fits."""
