@@ -140,7 +140,7 @@ class AsyncWriteLease(_CommitOnExit, WriteLeaseBase):
             await self.abort()  # never publish bytes not known to be complete
             raise
         self.done = True
-        await self._client.commit(self.lease_id, via=self._conn)
+        await self._client.commit(self.lease_id, via=self._conn, digests=self.commit_digests())
 
     async def abort(self) -> None:
         if not self.done:
@@ -170,8 +170,9 @@ class AsyncWriteBatch(_CommitOnExit, WriteBatchBase):
             raise RuntimeError("this write batch is already committed or aborted")
         self._check_unpublished(indexes)
         await _wait(self.fence(), strict=True)
+        named, digests = self.commit_args(indexes)
         self.published.append(indexes)
-        await self._client.commit(self._lease(), *indexes, via=self._conn)
+        await self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
 
     async def commit(self) -> None:
         if self.done:
@@ -183,7 +184,8 @@ class AsyncWriteBatch(_CommitOnExit, WriteBatchBase):
             raise
         self.done = True
         if self.unpublished():
-            await self._client.commit(self._lease(), via=self._conn)
+            named, digests = self.commit_args(())
+            await self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
 
     async def abort(self) -> None:
         """Discard the chunks not published yet (see
@@ -393,11 +395,15 @@ class AsyncClient:
         return ["stored" if ok else "exists" for ok in await p.execute()]
 
     async def commit(
-        self, lease_id: LeaseId, *indexes: int, via: AsyncConnection | None = None
+        self,
+        lease_id: LeaseId,
+        *indexes: int,
+        via: AsyncConnection | None = None,
+        digests: Sequence[bytes] = (),
     ) -> None:
-        """``KV.COMMIT lease [index…]`` on ``via``, the connection that took the lease (see
-        :meth:`kvstrata.clients.Client.commit`)."""
-        await self._run(cmd.commit(lease_id, *indexes), via)
+        """``KV.COMMIT lease [index…] [DIGEST digest…]`` on ``via``, the connection that took
+        the lease (see :meth:`kvstrata.clients.Client.commit`)."""
+        await self._run(cmd.commit(lease_id, *indexes, digests=digests), via)
 
     async def abort(self, lease_id: LeaseId, via: AsyncConnection | None = None) -> None:
         await self._run(cmd.abort(lease_id), via)

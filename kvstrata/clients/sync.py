@@ -148,7 +148,7 @@ class WriteLease(_CommitOnExit, WriteLeaseBase):
             self.abort()  # never publish bytes not known to be complete
             raise
         self.done = True
-        self._client.commit(self.lease_id, via=self._conn)
+        self._client.commit(self.lease_id, via=self._conn, digests=self.commit_digests())
 
     def abort(self) -> None:
         if not self.done:
@@ -179,8 +179,9 @@ class WriteBatch(_CommitOnExit, WriteBatchBase):
             raise RuntimeError("this write batch is already committed or aborted")
         self._check_unpublished(indexes)
         _wait(self.fence(), strict=True)  # queued GPU writes into the slots come first
+        named, digests = self.commit_args(indexes)
         self.published.append(indexes)
-        self._client.commit(self._lease(), *indexes, via=self._conn)
+        self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
 
     def commit(self) -> None:
         """Publish every chunk not published yet (one ``KV.COMMIT``); a failure raises and
@@ -194,7 +195,8 @@ class WriteBatch(_CommitOnExit, WriteBatchBase):
             raise
         self.done = True
         if self.unpublished():
-            self._client.commit(self._lease(), via=self._conn)
+            named, digests = self.commit_args(())
+            self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
 
     def abort(self) -> None:
         """Discard the chunks not published yet (those published stay stored). Of an expired
@@ -400,10 +402,16 @@ class Client:
                 parent = h
             return ["stored" if ok else "exists" for ok in p.execute()]
 
-    def commit(self, lease_id: LeaseId, *indexes: int, via: SyncConnection | None = None) -> None:
-        """``KV.COMMIT lease [index…]`` on ``via``, the connection that took the lease (the
-        server refuses another's: -NOLEASE; default: any pooled connection)."""
-        self._run(cmd.commit(lease_id, *indexes), via)
+    def commit(
+        self,
+        lease_id: LeaseId,
+        *indexes: int,
+        via: SyncConnection | None = None,
+        digests: Sequence[bytes] = (),
+    ) -> None:
+        """``KV.COMMIT lease [index…] [DIGEST digest…]`` on ``via``, the connection that took
+        the lease (the server refuses another's: -NOLEASE; default: any pooled connection)."""
+        self._run(cmd.commit(lease_id, *indexes, digests=digests), via)
 
     def abort(self, lease_id: LeaseId, via: SyncConnection | None = None) -> None:
         """``KV.ABORT lease`` on ``via`` (see :meth:`commit`)."""
