@@ -78,12 +78,14 @@ _LOG_EVERY_S = 30.0
 @dataclass(slots=True)
 class _Request:
     """Lookup state of one request: verdicts so far, keys queued for the next ``KV.MATCH``,
-    and the chain (group, end token) → key for the parents of stored chunks."""
+    and the chain (group, end token) → key for the parents of stored chunks (keys answered
+    from the recent-hit cache join it only when a store needs parents: ``cached``)."""
 
     verdicts: dict[bytes, bool] = field(default_factory=dict)
     queued: dict[bytes, None] = field(default_factory=dict)
     in_flight: bool = False
     chain: dict[tuple[bytes, int], bytes] = field(default_factory=dict)
+    cached: list[bytes] = field(default_factory=list)
 
 
 def client_settings(url: str, password: str | None, tls: Any, timeout_s: float) -> dict[str, Any]:
@@ -190,6 +192,7 @@ class KvstrataTier(SecondaryTierManager):
         self._misses: deque[tuple[str, list[bytes]]] = deque()  # keys a load did not get
         self._matching: set[Future[None]] = set()
         self._hits = RecentHits(float(lookup_cache_s), int(lookup_cache_keys))
+        self._hit = self._hits.hit
         self._refused: str | None = None
         self._last_log = 0.0
         logger.info("KvstrataTier: %s, namespace %s", url.split("@")[-1], self.namespace)
@@ -238,12 +241,11 @@ class KvstrataTier(SecondaryTierManager):
         verdict = state.verdicts.get(key)
         if verdict is not None:
             return _HIT if verdict else _MISS
-        end = req_context.get_offload_key_position(key)
-        if end is not None:  # (a later store's parent may be this key)
-            state.chain[(key[-4:], end)] = key
-        if self._hits.hit(key):  # stored or matched a moment ago: no round trip
+        if self._hit(key):  # stored or matched a moment ago: no round trip
             state.verdicts[key] = True
+            state.cached.append(key)  # (a later store's parent may be this key)
             return _HIT
+        self._remember(state, key, req_context)
         state.queued[key] = None
         return LookupResult.RETRY
 
@@ -303,6 +305,9 @@ class KvstrataTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         job = job_metadata
         state = self._requests.setdefault(job.req_context.req_id, _Request())
+        for key in state.cached:
+            self._remember(state, key, job.req_context)
+        state.cached.clear()
         items = []
         for key, row in zip(job.keys, job.chunk_ids, strict=True):
             end = self._remember(state, key, job.req_context)

@@ -119,3 +119,26 @@ def test_one_steps_lookups_share_one_round_trip(instances, server) -> None:
     assert [b.tier.lookup(k, c1) for k in k1] == [HIT] * 2
     assert [b.tier.lookup(k, c2) for k in k2] == [HIT] * 3
     assert match_calls(server.port) == before + 2
+
+
+def test_a_store_after_cached_hits_links_to_the_last_hit(instances, server) -> None:
+    """A request whose prefix hit from the cache then stores its next chunk: the new chunk's
+    parent on the server is the last cached hit (the chain stays linked for eviction)."""
+    import numpy as np
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    a = instances()
+    keys = chain_keys(4, b"link")
+    a.fill(range(4), seed=7)
+    assert a.wait(a.store(keys[:3], range(3), ReqContext("w"))).success
+    ctx = ReqContext("r")
+    assert first_scan(a, keys[:3], ctx) == [HIT] * 3
+    ctx.set_offload_key_position(keys[3], 4 * 16)
+    a.next_job += 1
+    job = TransferJob(job_id=a.next_job, keys=[keys[3]], chunk_ids=np.array([3], dtype=np.int32),
+                      is_promotion=False, req_context=ctx)  # fmt: skip
+    a.tier.submit_store(job)
+    assert a.wait(job.job_id).success
+    with Client(port=server.port) as kv:
+        got = kv.info(a.tier.namespace, keys[3])
+    assert got is not None and got["parent"] in (keys[2].hex(), keys[2].hex().encode())
