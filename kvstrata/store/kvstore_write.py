@@ -206,6 +206,8 @@ class WritePath:
                     if rec.size == data.nbytes and self._same_bytes(rec, data, sink):
                         self._refresh(rec.redis_key(), ttl_ms)
                         return True
+                    if not rec.alive:
+                        continue  # its unverified DRAM copy just failed the check: dropped
                     if rec.leases:
                         raise BusyError(f"chunk {key.hex} is leased; retry after KV.RELEASE")
                     state.retire(rec)
