@@ -235,3 +235,39 @@ def _raw_commit(lease_id: str, tail: list[bytes]) -> object:
     from kvstrata.clients.commands import Call, _ok
 
     return Call(("KV.COMMIT", lease_id, *tail), _ok)
+
+
+def test_a_server_without_digest_support_gets_a_plain_commit(server: RunningServer) -> None:
+    """A server older than KV.COMMIT … DIGEST reads DIGEST as an index and refuses it before
+    touching the lease: the client commits again without digests (the server hashes the
+    slots, as before) and sends none to that server from then on."""
+    from kvstrata.clients.commands import Call
+    from kvstrata.protocol.errors import CommandError
+
+    kv = Client(port=server.port)  # its commands go to ``run`` below
+    sent: list[tuple[object, ...]] = []
+
+    def run(call: Call[object], via: object = None) -> object:
+        sent.append(call.args)
+        if "DIGEST" in call.args:
+            raise CommandError("invalid index: value is not an integer")
+        return None
+
+    kv._run = run  # type: ignore[method-assign]
+    kv.commit("lease1", 0, 1, digests=[bytes(16), b""])
+    kv.commit("lease2", 0, digests=[bytes(16)])
+    assert sent == [
+        ("KV.COMMIT", "lease1", 0, 1, "DIGEST", bytes(16), b""),
+        ("KV.COMMIT", "lease1", 0, 1),
+        ("KV.COMMIT", "lease2", 0),
+    ]
+    kv._digests = True
+
+    def refuse(call: Call[object], via: object = None) -> object:
+        raise CommandError("other")
+
+    kv._run = refuse  # type: ignore[method-assign]
+    with pytest.raises(CommandError, match="other"):  # any other error is the caller's
+        kv.commit("lease3", 0, digests=[bytes(16)])
+    assert kv._digests
+    kv.close()

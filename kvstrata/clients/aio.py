@@ -37,7 +37,7 @@ from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseId, RegionInfo
 from kvstrata.clients.sync import settings_from_url
-from kvstrata.protocol.errors import LeaseError
+from kvstrata.protocol.errors import LeaseError, RespError
 
 __all__ = [
     "AsyncClient",
@@ -230,6 +230,7 @@ class AsyncClient:
         self.settings = ConnectionSettings(host=host, port=port, **kwargs)
         self.pool = AsyncConnectionPool(self.settings, max_connections)
         self._regions: dict[str, RegionInfo] = {}
+        self._digests = True  # False once the server turned KV.COMMIT … DIGEST down
         self._regions_generation = -1
         self.shared_memory = True  # see Client.shared_memory
 
@@ -403,7 +404,15 @@ class AsyncClient:
     ) -> None:
         """``KV.COMMIT lease [index…] [DIGEST digest…]`` on ``via``, the connection that took
         the lease (see :meth:`kvstrata.clients.Client.commit`)."""
-        await self._run(cmd.commit(lease_id, *indexes, digests=digests), via)
+        if digests and self._digests:
+            try:
+                await self._run(cmd.commit(lease_id, *indexes, digests=digests), via)
+                return
+            except RespError as exc:
+                if not cmd.refuses_digests(exc):
+                    raise
+                self._digests = False  # an older server: it hashes the slots itself
+        await self._run(cmd.commit(lease_id, *indexes), via)
 
     async def abort(self, lease_id: LeaseId, via: AsyncConnection | None = None) -> None:
         await self._run(cmd.abort(lease_id), via)

@@ -248,6 +248,12 @@ def commit(lease_id: LeaseId, *indexes: int, digests: Sequence[bytes] = ()) -> C
     return Call(("KV.COMMIT", lease_id, *indexes, *tail), _ok)
 
 
+def refuses_digests(exc: BaseException) -> bool:
+    """True for a server before ``KV.COMMIT … DIGEST`` (it read ``DIGEST`` as an index and
+    touched no lease): the client commits again without digests, the server hashing the slots."""
+    return "invalid index: value is not an integer" in str(exc)
+
+
 def abort(lease_id: LeaseId) -> Call[None]:
     return Call(("KV.ABORT", lease_id), _ok)
 

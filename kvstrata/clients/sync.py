@@ -39,7 +39,7 @@ from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseId, RegionInfo
-from kvstrata.protocol.errors import LeaseError
+from kvstrata.protocol.errors import LeaseError, RespError
 
 __all__ = ["Client", "Lease", "Pipeline", "WriteBatch", "WriteLease", "settings_from_url"]
 
@@ -242,6 +242,7 @@ class Client:
         self.settings = ConnectionSettings(host=host, port=port, **kwargs)
         self.pool = ConnectionPool(self.settings, max_connections)
         self._regions: dict[str, RegionInfo] = {}
+        self._digests = True  # False once the server turned KV.COMMIT … DIGEST down
         self._regions_generation = -1
         #: False once the server's arena proved unreachable from here (``put_chain`` then
         #: sends bytes over the socket)
@@ -411,7 +412,15 @@ class Client:
     ) -> None:
         """``KV.COMMIT lease [index…] [DIGEST digest…]`` on ``via``, the connection that took
         the lease (the server refuses another's: -NOLEASE; default: any pooled connection)."""
-        self._run(cmd.commit(lease_id, *indexes, digests=digests), via)
+        if digests and self._digests:
+            try:
+                self._run(cmd.commit(lease_id, *indexes, digests=digests), via)
+                return
+            except RespError as exc:
+                if not cmd.refuses_digests(exc):
+                    raise
+                self._digests = False  # an older server: it hashes the slots itself
+        self._run(cmd.commit(lease_id, *indexes), via)
 
     def abort(self, lease_id: LeaseId, via: SyncConnection | None = None) -> None:
         """``KV.ABORT lease`` on ``via`` (see :meth:`commit`)."""
