@@ -13,7 +13,8 @@ field is a fixed-width little-endian integer and is checked before it is used::
     trailer    u64 xxh3-64 of everything above (the header's own checksum)
     data       per segment, back to back: table | coded stream | raw plane
 
-Transforms: ``bytes`` (one stream: the segment's bytes), ``bf16`` (the coded stream is the
+Transforms: ``bytes`` (one stream: the segment's bytes), ``nib4`` (one stream of the
+segment's 4-bit codes, one symbol each), ``bf16`` (the coded stream is the
 exponent plane, the raw plane is sign and mantissa, one byte each per value), ``fp16`` (high
 byte coded, low byte raw). Coders: stored, rANS (static 12-bit table per segment), zstd.
 
@@ -61,7 +62,7 @@ BLOCK = 1 << 20  # opaque payloads are coded in blocks of this many bytes
 _FIXED = struct.Struct("<4sHBBIIQ")
 _SEGMENT = struct.Struct("<BBHB3xQQQIIQ")
 _TRAILER = struct.Struct("<Q")
-T_BYTES, T_BF16, T_FP16 = 0, 1, 2
+T_BYTES, T_BF16, T_FP16, T_NIB4 = 0, 1, 2, 3
 _SPLIT_KIND = {T_BF16: 0, T_FP16: 1}
 NO_LAYER, NO_WHICH = 0xFFFF, 0xFF
 
@@ -97,7 +98,7 @@ class Segment:
 
     @property
     def raw_len(self) -> int:
-        return 0 if self.transform == T_BYTES else self.out_len // 2
+        return self.out_len // 2 if self.transform in _SPLIT_KIND else 0
 
     @property
     def data_len(self) -> int:
@@ -131,7 +132,7 @@ def _plan(view: memoryview, codec: str) -> Iterator[tuple[int, int, int, int, in
     if codec == "int4e":
         if layout is None or layout.codec != kvst.CODEC_INT4:
             raise CodecError("int4e codes KVST payloads of the int4 codec only")
-        wanted, transform = kvst.DTYPE_U8, T_BYTES
+        wanted, transform = kvst.DTYPE_U8, T_NIB4
     else:
         wanted = kvst.DTYPE_BF16 if codec == "bf16x" else kvst.DTYPE_FP16
         transform = T_BF16 if codec == "bf16x" else T_FP16
@@ -178,8 +179,8 @@ def encode(
         coded: Buffer
         if layer == NO_LAYER and transform == T_BYTES:  # headers, scales, gaps: stored
             used, table, coded = CODER_RAW, b"", part
-        elif transform == T_BYTES:
-            used, table, coded = entropy.encode(part, _CODER_BY_NAME[coder])
+        elif transform == T_NIB4:
+            used, table, coded = entropy.encode(entropy.split4(part), _CODER_BY_NAME[coder])
         else:
             a, raw = entropy.split16(part, _SPLIT_KIND[transform])
             used, table, coded = entropy.encode(a, _CODER_BY_NAME[coder])
@@ -224,17 +225,18 @@ def read_header(blob: Buffer) -> Container:
     segments, out_pos, data_pos = [], 0, header_len
     for i in range(count):
         seg = Segment(*_SEGMENT.unpack_from(view, _FIXED.size + i * _SEGMENT.size))
-        if seg.transform not in (T_BYTES, T_BF16, T_FP16):
+        if seg.transform not in (T_BYTES, T_BF16, T_FP16, T_NIB4):
             raise CodecError(f"segment {i}: unknown transform {seg.transform}")
         if seg.coder not in entropy.CODER_NAMES:
             raise CodecError(f"segment {i}: unknown coder {seg.coder}")
-        if seg.transform != T_BYTES and seg.out_len % 2:
+        if seg.transform in _SPLIT_KIND and seg.out_len % 2:
             raise CodecError(f"segment {i}: odd length for a 16-bit transform")
         if seg.out_offset != out_pos or seg.out_len == 0:
             raise CodecError(f"segment {i}: does not follow the previous one")
         if seg.data_offset != data_pos:
             raise CodecError(f"segment {i}: data offset is not where the previous data ends")
-        if seg.coder == CODER_RAW and seg.coded_len != seg.out_len - seg.raw_len:
+        plain = 2 * seg.out_len if seg.transform == T_NIB4 else seg.out_len - seg.raw_len
+        if seg.coder == CODER_RAW and seg.coded_len != plain:
             raise CodecError(f"segment {i}: stored stream has the wrong length")
         if seg.coder != CODER_RANS and seg.table_len:
             raise CodecError(f"segment {i}: a table without a rANS stream")
@@ -261,6 +263,10 @@ def decode_segment(blob: Buffer, seg: Segment, out: memoryview) -> None:
     pos += seg.coded_len
     if seg.transform == T_BYTES:
         entropy.decode(seg.coder, table, coded, out)
+    elif seg.transform == T_NIB4:
+        nibbles = bytearray(2 * seg.out_len)
+        entropy.decode(seg.coder, table, coded, memoryview(nibbles))
+        entropy.merge4(nibbles, out)
     else:
         plane = bytearray(seg.raw_len)
         entropy.decode(seg.coder, table, coded, memoryview(plane))

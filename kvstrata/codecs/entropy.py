@@ -168,3 +168,23 @@ def merge16(a: Buffer, b: Buffer, out: memoryview, kind: int) -> None:
         raise CodecError("merge16: plane lengths do not match the output")
     v = ((pb & 0x80) << 8) | (pa << 7) | (pb & 0x7F) if kind == 0 else (pa << 8) | pb
     out[:] = v.astype("<u2").tobytes()
+
+
+def split4(data: Buffer) -> bytes:
+    """One byte per 4-bit code (low nibble first): the symbols int4e codes, 16 of them, so a
+    table costs at most 50 bytes."""
+    b = np.frombuffer(data, dtype=np.uint8)
+    out = np.empty(2 * len(b), dtype=np.uint8)
+    out[0::2] = b & 0x0F
+    out[1::2] = b >> 4
+    return out.tobytes()
+
+
+def merge4(nibbles: Buffer, out: memoryview) -> None:
+    """The inverse of :func:`split4`, into ``out``; a symbol over 15 is a CodecError."""
+    a = np.frombuffer(nibbles, dtype=np.uint8)
+    if len(a) != 2 * out.nbytes:
+        raise CodecError("merge4: plane length does not match the output")
+    if len(a) and int(a.max()) > 0x0F:
+        raise CodecError("int4 stream decodes to a symbol over 15")
+    np.frombuffer(out, dtype=np.uint8)[:] = a[0::2] | (a[1::2] << 4)
