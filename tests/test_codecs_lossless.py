@@ -109,7 +109,7 @@ def test_rans_size_meets_the_entropy_of_its_table():
     freq = np.frombuffer(entropy.unpack_table(table), dtype="<u2").astype(np.float64)
     counts = entropy.histogram(sym)
     bits = float(-(counts[counts > 0] * np.log2(freq[counts > 0] / 4096)).sum())
-    assert len(coded) * 8 <= bits * 1.005 + 4 * 32 + 16
+    assert len(coded) * 8 <= bits * 1.005 + 8 * 32 + 16  # eight 32-bit states flushed
     assert len(coded) * 8 >= bits - 64  # no coder beats the cross-entropy
     out = bytearray(len(sym))
     entropy.decode(used, table, coded, memoryview(out))

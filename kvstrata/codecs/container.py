@@ -13,8 +13,8 @@ field is a fixed-width little-endian integer and is checked before it is used::
     trailer    u64 xxh3-64 of everything above (the header's own checksum)
     data       per segment, back to back: table | coded stream | raw plane
 
-Transforms: ``bytes`` (one stream: the segment's bytes), ``nib4`` (one stream of the
-segment's 4-bit codes, one symbol each), ``bf16`` (the coded stream is the
+Transforms: ``bytes`` (one stream: the segment's bytes), ``nib4`` (its 4-bit codes, one
+rANS symbol each), ``bf16`` (the coded stream is the
 exponent plane, the raw plane is sign and mantissa, one byte each per value), ``fp16`` (high
 byte coded, low byte raw). Coders: stored, rANS (static 12-bit table per segment), zstd.
 
@@ -22,8 +22,9 @@ Codecs (all lossless: decoding gives back the payload byte for byte):
 
 ``bf16x`` / ``fp16x``  every 16-bit tensor (or, for opaque bytes, every 1 MiB block) split
                        into planes; the exponent plane entropy-coded, mantissas raw.
-``int4e``              the 4-bit codes of a ``KVST`` ``int4`` payload entropy-coded, one
-                       table per (layer, keys/values); scales and zero points raw.
+``int4e``              the 4-bit codes of a ``KVST`` ``int4`` payload rANS-coded, one
+                       table per (layer, keys/values); each section of scales or zero points
+                       one zstd segment (rANS of its bytes without ``zstandard``).
 
 :func:`encode` returns None when coding would save less than :data:`MIN_GAIN` of the bytes:
 the caller keeps the payload as it is. A malformed, truncated or unknown container raises
@@ -64,6 +65,8 @@ _SEGMENT = struct.Struct("<BBHB3xQQQIIQ")
 _TRAILER = struct.Struct("<Q")
 T_BYTES, T_BF16, T_FP16, T_NIB4 = 0, 1, 2, 3
 _SPLIT_KIND = {T_BF16: 0, T_FP16: 1}
+_MODE = {T_BYTES: entropy.MODE_BYTES, T_BF16: entropy.MODE_BF16, T_FP16: entropy.MODE_FP16,
+         T_NIB4: entropy.MODE_NIB4}  # fmt: skip
 NO_LAYER, NO_WHICH = 0xFFFF, 0xFF
 
 #: codec name → id in the header (never renumber)
@@ -144,13 +147,18 @@ def _plan(view: memoryview, codec: str) -> Iterator[tuple[int, int, int, int, in
             return
     pos = 0
     for sec in layout.sections:
-        if sec.role != 0 or sec.dtype != wanted or sec.nbytes == 0:
+        data = sec.role == 0 and sec.dtype == wanted
+        stats = codec == "int4e" and sec.role != 0  # scales, zero points
+        if not (data or stats) or sec.nbytes == 0:
             continue
         if sec.offset > pos:
             yield pos, sec.offset - pos, T_BYTES, NO_LAYER, NO_WHICH
-        per_layer = sec.nbytes // sec.layers
-        for layer in range(sec.layers):
-            yield sec.offset + layer * per_layer, per_layer, transform, layer, sec.which
+        if stats:
+            yield sec.offset, sec.nbytes, T_BYTES, NO_LAYER, sec.which
+        else:
+            per_layer = sec.nbytes // sec.layers
+            for layer in range(sec.layers):
+                yield sec.offset + layer * per_layer, per_layer, transform, layer, sec.which
         pos = sec.offset + sec.nbytes
     if pos < size:
         yield pos, size - pos, T_BYTES, NO_LAYER, NO_WHICH
@@ -177,13 +185,15 @@ def encode(
         part = view[off : off + length]
         raw: Buffer = b""
         coded: Buffer
-        if layer == NO_LAYER and transform == T_BYTES:  # headers, scales, gaps: stored
+        if transform == T_BYTES and which == NO_WHICH:  # headers, gaps: stored
             used, table, coded = CODER_RAW, b"", part
-        elif transform == T_NIB4:
-            used, table, coded = entropy.encode(entropy.split4(part), _CODER_BY_NAME[coder])
+        elif transform == T_BYTES:  # int4e's scales and zero points: zstd where installed
+            stats_coder = CODER_ZSTD if entropy.have_zstd() else _CODER_BY_NAME[coder]
+            used, table, coded = entropy.encode(part, stats_coder)
         else:
-            a, raw = entropy.split16(part, _SPLIT_KIND[transform])
-            used, table, coded = entropy.encode(a, _CODER_BY_NAME[coder])
+            used, table, coded = entropy.encode(part, _CODER_BY_NAME[coder], _MODE[transform])
+            if transform in _SPLIT_KIND:
+                raw = entropy.split16(part, _SPLIT_KIND[transform])[1]
         coded_len = memoryview(coded).nbytes
         entries.append((transform, used, layer, which, off, length, data_len, len(table),
                         coded_len, xxhash.xxh3_64_intdigest(part)))  # fmt: skip
@@ -235,7 +245,7 @@ def read_header(blob: Buffer) -> Container:
             raise CodecError(f"segment {i}: does not follow the previous one")
         if seg.data_offset != data_pos:
             raise CodecError(f"segment {i}: data offset is not where the previous data ends")
-        plain = 2 * seg.out_len if seg.transform == T_NIB4 else seg.out_len - seg.raw_len
+        plain = entropy.plane_len(seg.out_len, _MODE[seg.transform])
         if seg.coder == CODER_RAW and seg.coded_len != plain:
             raise CodecError(f"segment {i}: stored stream has the wrong length")
         if seg.coder != CODER_RANS and seg.table_len:
@@ -261,16 +271,8 @@ def decode_segment(blob: Buffer, seg: Segment, out: memoryview) -> None:
     pos += seg.table_len
     coded = view[pos : pos + seg.coded_len]
     pos += seg.coded_len
-    if seg.transform == T_BYTES:
-        entropy.decode(seg.coder, table, coded, out)
-    elif seg.transform == T_NIB4:
-        nibbles = bytearray(2 * seg.out_len)
-        entropy.decode(seg.coder, table, coded, memoryview(nibbles))
-        entropy.merge4(nibbles, out)
-    else:
-        plane = bytearray(seg.raw_len)
-        entropy.decode(seg.coder, table, coded, memoryview(plane))
-        entropy.merge16(plane, view[pos : pos + seg.raw_len], out, _SPLIT_KIND[seg.transform])
+    plane = view[pos : pos + seg.raw_len] if seg.transform in _SPLIT_KIND else None
+    entropy.decode(seg.coder, table, coded, out, _MODE[seg.transform], plane)
     if xxhash.xxh3_64_intdigest(out) != seg.digest:
         raise CodecError(f"segment at {seg.out_offset}: decoded bytes fail their checksum")
 

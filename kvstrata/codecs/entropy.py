@@ -46,10 +46,16 @@ def have_zstd() -> bool:
     return zstandard is not None
 
 
-def histogram(data: Buffer) -> np.ndarray:
-    """Counts of each byte value (int64[256])."""
+MODE_BYTES, MODE_NIB4, MODE_BF16, MODE_FP16 = 0, 1, 2, 3
+_SPLIT = {MODE_BF16: 0, MODE_FP16: 1}
+
+
+def histogram(data: Buffer, mode: int = MODE_BYTES) -> np.ndarray:
+    """Counts of each symbol (int64[256]) of ``data`` read in ``mode``."""
     if _rans is not None:
-        return np.frombuffer(_rans.histogram(data), dtype="<u8").astype(np.int64)
+        return np.frombuffer(_rans.histogram(data, mode), dtype="<u8").astype(np.int64)
+    if mode != MODE_BYTES:
+        raise CodecError("symbol modes need the C extension")
     return np.bincount(np.frombuffer(data, dtype=np.uint8), minlength=256).astype(np.int64)
 
 
@@ -98,48 +104,70 @@ def unpack_table(data: Buffer) -> bytes:
     return freq.tobytes()
 
 
-def encode(data: Buffer, coder: int) -> tuple[int, bytes, bytes]:
-    """Code one stream: (coder used, table, coded bytes). Falls back to stored when the
-    coder is missing here, the stream is empty, or coding does not make it smaller."""
+def symbols_len(out_len: int, mode: int) -> int:
+    """Symbols a rANS stream of a segment of ``out_len`` bytes holds."""
+    return 2 * out_len if mode == MODE_NIB4 else out_len // 2 if mode in _SPLIT else out_len
+
+
+def plane_len(out_len: int, mode: int) -> int:
+    """Bytes of the stream a stored or zstd segment holds: the exponent (or high byte) plane
+    of 16-bit modes, the bytes themselves otherwise."""
+    return out_len // 2 if mode in _SPLIT else out_len
+
+
+def encode(data: Buffer, coder: int, mode: int = MODE_BYTES) -> tuple[int, bytes, Buffer]:
+    """Code one segment's stream: (coder used, table, coded bytes). rANS codes the symbols of
+    ``mode``; zstd and stored hold :func:`plane_len` bytes (the exponent plane of a 16-bit
+    mode, the segment's bytes otherwise). Stored where the coder is missing here, the stream
+    is empty, or coding does not make it smaller."""
     n = memoryview(data).nbytes
+    plane: Buffer = split16(data, _SPLIT[mode])[0] if mode in _SPLIT else data
     if n and coder == CODER_RANS and _rans is not None:
-        freq = normalize(histogram(data))
+        freq = normalize(histogram(data, mode))
         table = pack_table(freq)
-        coded = _rans.encode(data, freq.astype("<u2").tobytes())
-        if len(coded) + len(table) < n:
+        coded = _rans.encode(data, freq.astype("<u2").tobytes(), mode)
+        if len(coded) + len(table) < plane_len(n, mode):
             return CODER_RANS, table, coded
     elif n and coder == CODER_ZSTD and zstandard is not None:
-        coded = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
-        if len(coded) < n:
+        coded = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(plane)
+        if len(coded) < plane_len(n, mode):
             return CODER_ZSTD, b"", coded
-    return CODER_RAW, b"", bytes(data)
+    return CODER_RAW, b"", plane
 
 
-def decode(coder: int, table: Buffer, coded: Buffer, out: memoryview) -> None:
-    """Decode one stream into ``out`` (exactly its decoded length); raises CodecError."""
-    if coder == CODER_RAW:
-        if memoryview(coded).nbytes != out.nbytes:
-            raise CodecError("stored stream has the wrong length")
-        out[:] = coded
-    elif coder == CODER_RANS:
+def decode(coder: int, table: Buffer, coded: Buffer, out: memoryview, mode: int = MODE_BYTES,
+           plane: Buffer | None = None) -> None:  # fmt: skip
+    """Decode one segment into ``out`` (exactly its length); ``plane`` is the raw plane of a
+    16-bit mode. Raises CodecError."""
+    if coder == CODER_RANS:
         if _rans is None:
             raise CodecError("this chunk is rANS-coded: build kvstrata's C extensions to read it")
         try:
-            _rans.decode(coded, unpack_table(table), out)
+            if plane is None:
+                _rans.decode(coded, unpack_table(table), out, mode)
+            else:
+                _rans.decode(coded, unpack_table(table), out, mode, plane)
         except ValueError as exc:
             raise CodecError(str(exc)) from None
+        return
+    want = plane_len(out.nbytes, mode)
+    if coder == CODER_RAW:
+        got: Buffer = coded
     elif coder == CODER_ZSTD:
         if zstandard is None:
             raise CodecError("this chunk is zstd-coded: pip install 'kvstrata[codecs]' to read it")
         try:
-            got = zstandard.ZstdDecompressor().decompress(coded, max_output_size=out.nbytes)
+            got = zstandard.ZstdDecompressor().decompress(coded, max_output_size=want)
         except zstandard.ZstdError as exc:
             raise CodecError(f"zstd: {exc}") from None
-        if len(got) != out.nbytes:
-            raise CodecError("zstd stream decodes to the wrong length")
-        out[:] = got
     else:
         raise CodecError(f"unknown coder {coder}")
+    if memoryview(got).nbytes != want:
+        raise CodecError("stream decodes to the wrong length")
+    if mode in _SPLIT:
+        merge16(got, plane if plane is not None else b"", out, _SPLIT[mode])
+    else:
+        out[:] = got
 
 
 def split16(data: Buffer, kind: int) -> tuple[bytes, bytes]:
@@ -168,23 +196,3 @@ def merge16(a: Buffer, b: Buffer, out: memoryview, kind: int) -> None:
         raise CodecError("merge16: plane lengths do not match the output")
     v = ((pb & 0x80) << 8) | (pa << 7) | (pb & 0x7F) if kind == 0 else (pa << 8) | pb
     out[:] = v.astype("<u2").tobytes()
-
-
-def split4(data: Buffer) -> bytes:
-    """One byte per 4-bit code (low nibble first): the symbols int4e codes, 16 of them, so a
-    table costs at most 50 bytes."""
-    b = np.frombuffer(data, dtype=np.uint8)
-    out = np.empty(2 * len(b), dtype=np.uint8)
-    out[0::2] = b & 0x0F
-    out[1::2] = b >> 4
-    return out.tobytes()
-
-
-def merge4(nibbles: Buffer, out: memoryview) -> None:
-    """The inverse of :func:`split4`, into ``out``; a symbol over 15 is a CodecError."""
-    a = np.frombuffer(nibbles, dtype=np.uint8)
-    if len(a) != 2 * out.nbytes:
-        raise CodecError("merge4: plane length does not match the output")
-    if len(a) and int(a.max()) > 0x0F:
-        raise CodecError("int4 stream decodes to a symbol over 15")
-    np.frombuffer(out, dtype=np.uint8)[:] = a[0::2] | (a[1::2] << 4)
