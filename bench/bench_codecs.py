@@ -16,20 +16,25 @@ Fixtures, each one chunk of keys and values packed as a ``KVST`` payload
 Codecs: ``bf16x`` (zstd exponent planes, the default where ``zstandard`` is installed),
 ``bf16x-rans`` (the C rANS coder), raw ``zstd-1``/``zstd-3`` of the whole payload, ZipNN
 (``zipnn``, one thread, when installed; it is handed a copy, since 0.5.4's
-``compress`` reorders the bytes of its input in place, even of a ``bytes``) and, on the int4 payload of the same KV, ``int4e``
-and zstd-1. MB/s are of the payload as put (decoded size) per second on one thread; each
-codec runs alternately with the others, ``--rounds`` times, best round kept.
+``compress`` reorders the bytes of its input in place, even of a ``bytes``) and, on the int4
+payload of the same KV, ``int4e`` and zstd-1. MB/s are of the payload as put (decoded size)
+per second on one thread; each codec runs alternately with the others, ``--rounds`` times,
+best round kept.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstrata.clients.layout import pack_chunk
 from kvstrata.codecs import container, decode, encode

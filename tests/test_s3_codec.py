@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -197,3 +198,42 @@ def test_two_nodes_share_coded_chunks(moto_server: MotoServer, s3_bucket: str) -
                         got.release()
 
     run(main())
+
+
+def test_transformers_logits_through_bf16x_are_bit_identical(
+    make_server: Any, moto_server: MotoServer, s3_bucket: str
+) -> None:
+    """The engine bar: node A (s3-codec bf16x, write-through) stores a bf16 Llama's prefix;
+    node B (no codec, empty DRAM) restores it from S3, decoded. B's next-token logits equal a
+    recompute split at the same place, bit for bit, as a raw restore's do."""
+    pytest.importorskip("transformers")
+    from kvstrata.clients.hf import HFPrefixCache
+    from kvstrata.clients.sync import Client
+    from tests.hf_fakes import recompute_logits, tiny_llama
+
+    model = tiny_llama(dtype=torch.bfloat16)
+    s3 = {"s3_bucket": s3_bucket, "s3_endpoint": moto_server.endpoint}
+    a = make_server(**s3, s3_write_policy="write-through", s3_codec="bf16x")
+    b = make_server(**s3)
+    ids = torch.randint(0, 500, (1, 70), generator=torch.Generator().manual_seed(3))
+    with Client(port=a.port) as kv_a, Client(port=b.port) as kv_b:
+        writer = HFPrefixCache(model, kv_a, chunk_tokens=16)
+        writer.prefill(ids[:, :64])
+        assert writer.wait_stored() == 4
+        client = moto_server.client()
+        deadline = time.monotonic() + 30  # write-through uploads may finish after the reply
+        while len(client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])) < 4:
+            assert time.monotonic() < deadline, "A's chunks never reached S3"
+            time.sleep(0.01)
+        reader = HFPrefixCache(model, kv_b, chunk_tokens=16)
+        res = reader.prefill(ids, store=False)
+        assert res.reused_tokens == 64
+        assert torch.equal(res.logits, recompute_logits(model, ids, split=64))
+        writer.close()
+        reader.close()
+    names = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket)["Contents"]]
+    heads = [client.head_object(Bucket=s3_bucket, Key=n) for n in names]
+    assert len(heads) == 4
+    for head in heads:  # what B read was coded: bf16x objects, smaller than the chunks
+        assert head["Metadata"]["kvs-encoding"] == "bf16x"
+        assert head["ContentLength"] < int(head["Metadata"]["kvs-size"])
