@@ -231,3 +231,22 @@ def test_corrupt_data_is_caught_by_the_segment_checksums():
             continue
         raise AssertionError("a flipped bit decoded without an error")
     assert failures == 300
+
+
+def test_unpack_into_takes_a_coded_payload():
+    """Client side, per namespace: a payload coded by the client before KV.PUT (here int4e)
+    unpacks like the payload it codes; a damaged one is a LayoutError."""
+    from kvstrata.clients.layout import LayoutError
+
+    k, v = kv(tokens=128, dim=64), kv(tokens=128, dim=64, seed=8)
+    payload = bytes(pack_chunk(list(k), list(v), "int4"))
+    blob = encode(payload, "int4e")
+    assert blob is not None
+    want = [[torch.empty(4, 128, 64) for _ in range(2)] for _ in range(2)]
+    got = [[torch.empty(4, 128, 64) for _ in range(2)] for _ in range(2)]
+    unpack_into(payload, *want)
+    unpack_into(blob, *got)
+    for a, b in zip(want[0] + want[1], got[0] + got[1], strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(LayoutError, match="coded payload"):
+        unpack_into(blob[:-1], *got)
