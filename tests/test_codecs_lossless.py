@@ -76,6 +76,8 @@ def test_int4e_is_lossless_smaller_and_reconstructs_like_int4():
     blob = encode(payload, "int4e")
     assert blob is not None
     assert len(blob) <= 0.9 * len(payload), len(blob) / len(payload)
+    kinds = {s.transform for s in read_header(blob).segments}  # codes, fp16 and fp32 stats
+    assert {container.T_NIB4, container.T_PLANES2, container.T_PLANES4} <= kinds
     back = decode(blob)
     assert bytes(back) == payload
     outs = [[torch.empty(4, 256, 64) for _ in range(2)] for _ in range(4)]
@@ -149,6 +151,7 @@ def test_without_the_c_coder(monkeypatch):
 
 
 def _blob() -> bytes:
+    """An int4e container: stored, 4-bit and byte-plane segments, all under the fuzz."""
     payload = bytes(
         pack_chunk(list(kv(layers=2, tokens=32)), list(kv(layers=2, tokens=32)), "int4")
     )

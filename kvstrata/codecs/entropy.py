@@ -170,6 +170,59 @@ def decode(coder: int, table: Buffer, coded: Buffer, out: memoryview, mode: int 
         out[:] = got
 
 
+_DIR = struct.Struct("<HI")  # per plane: table length (0: stored), coded length
+
+
+def encode_planes(data: Buffer, k: int) -> tuple[int, bytes, bytes]:
+    """rANS-code the ``k`` byte planes of ``k``-byte elements (float scales and zero points)
+    each with its own table: (coder, table area, coded area). The table area is ``k`` ×
+    (u16 table length, u32 coded length) then the tables; a plane coding does not shrink is
+    stored (table length 0). Stored as a whole when that is not smaller."""
+    n = memoryview(data).nbytes
+    if _rans is None or n == 0 or n % k:
+        return CODER_RAW, b"", bytes(data)
+    planes = np.frombuffer(data, dtype=np.uint8).reshape(-1, k).T
+    heads, tables, streams = [], [], []
+    for plane in planes:
+        raw = plane.tobytes()
+        used, table, coded = encode(raw, CODER_RANS)
+        if used != CODER_RANS:
+            table, coded = b"", raw
+        heads.append(_DIR.pack(len(table), len(coded)))
+        tables.append(table)
+        streams.append(bytes(coded))
+    table_area, coded_area = b"".join(heads + tables), b"".join(streams)
+    if len(table_area) + len(coded_area) >= n:
+        return CODER_RAW, b"", bytes(data)
+    return CODER_RANS, table_area, coded_area
+
+
+def decode_planes(table_area: Buffer, coded_area: Buffer, out: memoryview, k: int) -> None:
+    """The inverse of :func:`encode_planes` for a rANS-coded segment; raises CodecError."""
+    tables, coded = memoryview(table_area), memoryview(coded_area)
+    if out.nbytes % k or tables.nbytes < k * _DIR.size:
+        raise CodecError("plane directory is truncated")
+    per = out.nbytes // k
+    dst = np.frombuffer(out, dtype=np.uint8).reshape(-1, k)
+    tpos, cpos = k * _DIR.size, 0
+    for i in range(k):
+        tlen, clen = _DIR.unpack_from(tables, i * _DIR.size)
+        if tpos + tlen > tables.nbytes or cpos + clen > coded.nbytes:
+            raise CodecError("plane directory points past its streams")
+        plane = bytearray(per)
+        if tlen:
+            decode(CODER_RANS, tables[tpos : tpos + tlen], coded[cpos : cpos + clen],
+                   memoryview(plane))  # fmt: skip
+        elif clen == per:
+            plane[:] = coded[cpos : cpos + clen]
+        else:
+            raise CodecError("stored plane has the wrong length")
+        dst[:, i] = np.frombuffer(plane, dtype=np.uint8)
+        tpos, cpos = tpos + tlen, cpos + clen
+    if tpos != tables.nbytes or cpos != coded.nbytes:
+        raise CodecError("plane streams do not fill their segment")
+
+
 def split16(data: Buffer, kind: int) -> tuple[bytes, bytes]:
     """Exponent plane and sign+mantissa plane of 16-bit values (kind 0 bf16, 1 fp16)."""
     if _rans is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 _FIXED = struct.Struct("<4sHHBBHHHIHH")  # the layout's fixed header (layout.py)
 _SECTION = struct.Struct("<BBBB4IQQ")
 _ELEMENT = {1: 4, 2: 2, 3: 2, 4: 1, 5: 1}  # layout's DTYPE_IDS → bytes per element
-DTYPE_FP16, DTYPE_BF16, DTYPE_U8 = 2, 3, 4
+DTYPE_FP32, DTYPE_FP16, DTYPE_BF16, DTYPE_U8 = 1, 2, 3, 4
 CODEC_RAW, CODEC_INT4 = 0, 3
 
 
