@@ -326,6 +326,34 @@ OPTIONS: tuple[Option, ...] = (
     _opt("data-dir", "./kvstrata-data", _str, "Folder for persistent tiers."),
     _opt("trace-file", "", _str, "Append every KV.MATCH/PUT/GET/LEASE/SESSION/PREFETCH (sizes "
          "and hashes, no payloads) to this JSON Lines file for kvstrata simulate; empty = off."),
+    # KV events (docs/events.md)
+    _opt("kv-events-endpoint", "", _str,
+         "ZMQ PUB endpoint of the KV events routers read (vLLM's wire format), e.g. "
+         "tcp://127.0.0.1:5557; >tcp://host:port connects instead of binding; empty = off "
+         "(needs the events extra)."),
+    _opt("kv-events-replay-endpoint", "", _str,
+         "ZMQ ROUTER endpoint where a subscriber that missed sequence numbers asks for them "
+         "again (vLLM's replay protocol); empty = off."),
+    _opt("kv-events-buffer", 10000, _int(1, 10**7),
+         "Messages (one per namespace and loop tick, at most 1024 events each) kept for replay."),
+    _opt("kv-events-hwm", 10000, _int(1, 10**7),
+         "Messages queued per subscriber; past it a message is dropped for all subscribers "
+         "(INFO events: kv_events_dropped), never waited for."),
+    _opt("kv-events-topic", "kv@{node}@{model}", _str,
+         "Topic frame of each message; {node} is kv-events-node, {model} the namespace's "
+         "model (kv-events-models)."),
+    _opt("kv-events-node", "", _str,
+         "This node's name in topics and in KV.TIERMATCH replies (empty = hostname:port)."),
+    _opt("kv-events-models", "", _str,
+         "Namespace → model and LoRA in the events: space-separated "
+         "NAMESPACE-GLOB=MODEL[;LORA_ID[;LORA_NAME]], first match wins; other namespaces: "
+         "their text up to the first @."),
+    _opt("kv-events-vllm-namespaces", "vllm:*", _str,
+         "Namespace glob of the vLLM tier (clients/vllm.py): its hashes are vLLM offload keys "
+         "(block hash + 4-byte group), sent as vLLM's block hash and group_idx."),
+    _opt("kv-events-hash-format", "int64", _choice("int64", "bytes"),
+         "Block hashes in the events: int64 = the hash as a big-endian integer, low 64 bits "
+         "(vLLM's default conversion of its own block hashes); bytes = as stored."),
     # KV store
     _opt("chunk-tokens", 256, _int(1, 1 << 20), "Default tokens per chunk (KV.MATCHTOKENS)."),
     _opt("lease-ttl", 30000, _int(1, 86_400_000), "Default lease lifetime in ms.",
@@ -493,6 +521,8 @@ def _check(values: Mapping[str, Any]) -> None:
             f"invalid value for 'min-chunk-tokens': {values['min-chunk-tokens']} is above "
             f"chunk-tokens ({values['chunk-tokens']})"
         )
+    if values["kv-events-replay-endpoint"] and not values["kv-events-endpoint"]:
+        raise ConfigError("invalid value for 'kv-events-replay-endpoint': needs kv-events-endpoint")
     if values["tls-port"] and not (values["tls-cert-file"] and values["tls-key-file"]):
         raise ConfigError("invalid value for 'tls-port': needs tls-cert-file and tls-key-file")
     if values["tls-port"] and values["tls-auth-clients"] != "no" and not values["tls-ca-cert-file"]:

@@ -1,0 +1,158 @@
+"""Tier events: every chunk entering or leaving a tier, for routers that follow a node's cache.
+
+The index calls :meth:`TierEvents.residency` from the one place residency changes
+(``ChunkIndex._residency``: a live record gained or lost a copy in a tier, or was removed), so
+no write, read, move, delete or expiry path can be left out. This module turns those calls into
+plain event tuples, gathers them for the current loop tick and hands each tick's list, in order,
+to a sink (``kvstrata.server.events`` encodes them in vLLM's wire format and publishes them on
+ZMQ). It does no I/O itself and never blocks: the sink must not either.
+
+Events (tuples, first item the kind):
+
+- ``(STORED, namespace, hash, parent, block_size, medium, token_ids)`` — the chunk now has a
+  copy in the tier named by ``medium`` (:data:`MEDIA`); ``token_ids`` is the packed
+  little-endian u32 token ids given with the chunk (``KV.PUT … TOKENIDS``), or ``b""``;
+- ``(REMOVED, namespace, hash, medium)`` — that copy is gone (demoted, evicted, deleted,
+  expired, dropped as corrupt);
+- ``(CLEARED,)`` — everything is gone: at start (before the index is rebuilt, whose chunks
+  then follow as STORED) and on ``FLUSHALL`` (whose per-chunk removals are not sent).
+
+Chunks of the server's own namespaces (large plain strings) are never reported.
+
+Token ids cost memory only for the chunks they were given with: the packed ids (4 bytes per
+token, plus a 33-byte ``bytes`` header) and one dict slot and a two-item list (~150 bytes),
+held while the chunk has a copy in some tier; they are not kept across restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kvstrata.store.keys import ChunkKey
+
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
+
+#: tier → the ``medium`` string of vLLM-format events. Dynamo's router
+#: (``StorageTier::from_kv_medium``) maps GPU → device, CPU_PINNED → host pinned,
+#: DISK → disk, EXTERNAL → external; SGLang's ``StorageMedium`` uses the same four strings.
+MEDIA = {"gpu": "GPU", "dram": "CPU_PINNED", "nvme": "DISK", "s3": "EXTERNAL"}
+
+Event = tuple[Any, ...]
+
+
+class EventSink(Protocol):
+    """Where each tick's events go (``kvstrata.server.events.ZmqPublisher``)."""
+
+    def send(self, events: list[Event]) -> None: ...
+
+    def info(self) -> list[tuple[str, object]]: ...
+
+
+class _Record(Protocol):  # the part of ChunkRecord read here (no import of the index)
+    key: ChunkKey
+    parent: bytes
+    tokens: int
+
+
+class TierEvents:
+    """See the module docstring. ``block_size`` is what a chunk stored without TOKENS counts
+    (``chunk-tokens``); ``internal`` tells the server's own chunks (never reported)."""
+
+    def __init__(
+        self, sink: EventSink, block_size: int, internal: Callable[[ChunkKey], bool]
+    ) -> None:
+        self.sink = sink
+        self.block_size = block_size
+        self._internal = internal
+        self._pending: list[Event] = []
+        self._scheduled = False
+        self._muted = 0
+        #: key → [packed token ids, copies reported]: ids given with a chunk, kept while it has one
+        self.tokens: dict[ChunkKey, list[Any]] = {}
+        #: ids given with a write in flight (KV.PUT … TOKENIDS), taken by its first STORED
+        self._expected: dict[ChunkKey, bytes] = {}
+        self.token_bytes = 0
+        self.events = 0
+        self.cleared()  # a router that knew this node's earlier life forgets it
+
+    # -- from the index ---------------------------------------------------------------------
+
+    def residency(self, rec: _Record, tier: str, delta: int) -> None:
+        key = rec.key
+        if self._muted or self._internal(key):
+            return
+        medium = MEDIA.get(tier, tier.upper())
+        if delta > 0:
+            held = self.tokens.get(key)
+            if held is None:
+                ids = self._expected.pop(key, None)
+                if ids is not None:
+                    held = self.tokens[key] = [ids, 0]
+                    self.token_bytes += len(ids)
+            if held is not None:
+                held[1] += 1
+            size = rec.tokens or self.block_size
+            ids = held[0] if held is not None else b""
+            self._add((STORED, key.namespace, key.hash, rec.parent, size, medium, ids))
+        else:
+            held = self.tokens.get(key)
+            if held is not None:
+                held[1] -= 1
+                if held[1] <= 0:
+                    del self.tokens[key]
+                    self.token_bytes -= len(held[0])
+            self._add((REMOVED, key.namespace, key.hash, medium))
+
+    # -- from the keyspace (FLUSHALL) and the commands ---------------------------------------
+
+    def flushing(self, starts: bool) -> None:
+        """FLUSHALL: its per-chunk removals are left out, one CLEARED follows."""
+        self._muted += 1 if starts else -1
+        if not starts and not self._muted:
+            self.cleared()
+
+    def cleared(self) -> None:
+        self.tokens.clear()
+        self.token_bytes = 0
+        self._add((CLEARED,))
+
+    def expect_tokens(self, key: ChunkKey, ids: bytes) -> None:
+        """The token ids of a chunk about to be written; :meth:`forget_tokens` after the
+        write, stored or not (a stored chunk has taken them by then)."""
+        self._expected[key] = bytes(ids)
+
+    def forget_tokens(self, key: ChunkKey) -> None:
+        self._expected.pop(key, None)
+
+    def info(self) -> list[tuple[str, object]]:
+        """INFO events: what the store reported, the token ids it keeps, then the sink's."""
+        return [
+            ("kv_events", 1),
+            ("kv_events_total", self.events + len(self._pending)),
+            ("kv_events_token_chunks", len(self.tokens)),
+            ("kv_events_token_bytes", self.token_bytes),
+            *self.sink.info(),
+        ]
+
+    # -- batching per loop tick -------------------------------------------------------------
+
+    def _add(self, event: Event) -> None:
+        self._pending.append(event)
+        if self._scheduled:
+            return
+        try:
+            asyncio.get_running_loop().call_soon(self.flush)
+        except RuntimeError:  # no loop (tests building a store by hand): sent on next flush
+            return
+        self._scheduled = True
+
+    def flush(self) -> None:
+        """Hand the events gathered so far to the sink (runs once per loop tick)."""
+        self._scheduled = False
+        if not self._pending:
+            return
+        events, self._pending = self._pending, []
+        self.events += len(events)
+        self.sink.send(events)
