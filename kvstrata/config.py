@@ -334,11 +334,13 @@ OPTIONS: tuple[Option, ...] = (
     _opt("kv-events-replay-endpoint", "", _str,
          "ZMQ ROUTER endpoint where a subscriber that missed sequence numbers asks for them "
          "again (vLLM's replay protocol); empty = off."),
-    _opt("kv-events-buffer", 10000, _int(1, 10**7),
-         "Messages (one per namespace and loop tick, at most 1024 events each) kept for replay."),
-    _opt("kv-events-hwm", 10000, _int(1, 10**7),
-         "Messages queued per subscriber; past it a message is dropped for all subscribers "
-         "(INFO events: kv_events_dropped), never waited for."),
+    _opt("kv-events-buffer", 64 * 1024**2, parse_size,
+         "Bytes of the newest messages kept for replay (one message per namespace and loop "
+         "tick, at most 256 events).", **_SIZE),
+    _opt("kv-events-hwm", 256, _int(1, 10**7),
+         "Messages queued per subscriber (ZMQ high-water mark); past it a message is dropped "
+         "for every subscriber (INFO events: kv_events_dropped) and stays in the replay buffer, "
+         "never waited for."),
     _opt("kv-events-topic", "kv@{node}@{model}", _str,
          "Topic frame of each message; {node} is kv-events-node, {model} the namespace's "
          "model (kv-events-models)."),

@@ -17,9 +17,11 @@ store's tier events (``kvstrata.store.events``), in the wire format of vLLM 0.33
 Nothing here blocks the event loop: each loop tick's events go out as messages of at most
 :data:`MAX_EVENTS` events, sent with ``NOBLOCK`` on a socket with ``XPUB_NODROP`` and a
 high-water mark (``kv-events-hwm`` messages): when a subscriber's queue is full the message is
-dropped and counted (``INFO events``), never waited for; it stays in the replay buffer
-(``kv-events-buffer`` messages), so a subscriber that sees a gap in the sequence numbers can ask
-for it. The replay socket is served from the loop when ZMQ says it is readable.
+dropped and counted (``INFO events``), never waited for; it stays in the replay buffer (the
+newest ``kv-events-buffer`` bytes of messages), so a subscriber that sees a gap in the sequence
+numbers can ask for it. The replay socket is served from the loop when ZMQ says it is readable;
+at most :data:`REPLAY_HWM` messages are queued per requester (a larger replay is cut short, the
+requester sees the gap that remains and asks again from there).
 
 Needs the optional ``events`` extra (pyzmq, msgspec); without it the server starts unless
 ``kv-events-endpoint`` is set, and then stops with :data:`INSTALL_HINT`.
@@ -47,7 +49,9 @@ INSTALL_HINT = (
     "python3 -m pip install 'kvstrata[events]'"
 )
 #: most events in one message (a tick with more sends several)
-MAX_EVENTS = 1024
+MAX_EVENTS = 256
+#: most replayed messages queued for one requester
+REPLAY_HWM = 4096
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _MASK64 = (1 << 64) - 1
 
@@ -157,7 +161,10 @@ class ZmqPublisher:
             raise ConfigError(
                 f"invalid value for 'kv-events-topic': {exc!r} (placeholders: {{node}}, {{model}})"
             ) from None
-        self.buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=values["kv-events-buffer"])
+        #: the newest messages (seq, topic, payload), at most ``kv-events-buffer`` bytes
+        self.buffer: deque[tuple[int, bytes, bytes]] = deque()
+        self.buffer_cap = int(values["kv-events-buffer"])
+        self.buffer_bytes = 0
         self.counters = Counters()
         self.seq = 0
         self._encode = msgspec.msgpack.Encoder().encode
@@ -179,7 +186,7 @@ class ZmqPublisher:
             _attach(self._pub, self.endpoint)
             if self.replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (self.buffer.maxlen or 0) + 2)
+                self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 _attach(self._replay, self.replay_endpoint)
         except zmq.ZMQError as exc:
@@ -282,7 +289,7 @@ class ZmqPublisher:
         payload = self._encode([time.time(), events, 0])
         seq = self.seq
         self.seq += 1
-        self.buffer.append((seq, topic, payload))
+        self._keep(seq, topic, payload)
         counters = self.counters
         try:
             self._pub.send_multipart(
@@ -300,6 +307,13 @@ class ZmqPublisher:
             return
         counters.messages += 1
         counters.events += len(events)
+
+    def _keep(self, seq: int, topic: bytes, payload: bytes) -> None:
+        self.buffer.append((seq, topic, payload))
+        self.buffer_bytes += len(payload) + len(topic)
+        while self.buffer_bytes > self.buffer_cap and len(self.buffer) > 1:
+            _, old_topic, old = self.buffer.popleft()
+            self.buffer_bytes -= len(old) + len(old_topic)
 
     # -- replay -----------------------------------------------------------------------------
 
@@ -343,6 +357,7 @@ class ZmqPublisher:
             ("kv_events_replay_requests", c.replay_requests),
             ("kv_events_replayed_messages", c.replayed_messages),
             ("kv_events_buffered_messages", len(self.buffer)),
+            ("kv_events_buffered_bytes", self.buffer_bytes),
             ("kv_events_errors", c.errors),
         ]
 
