@@ -156,3 +156,45 @@ class TierEvents:
         events, self._pending = self._pending, []
         self.events += len(events)
         self.sink.send(events)
+
+
+# -- the polling side: per-tier longest prefixes (KV.TIERMATCH, /tiermatch) ---------------------
+
+
+class TierWalk:
+    """Walks a chain through the index without touching it (a router's poll is no access: it
+    must not keep chunks hot): how many leading chunks this node holds in any tier, their
+    tokens, and per tier the longest prefix whose every chunk has a copy there. Feed it the
+    chain in slices; it stops at the first chunk absent or expired. Only local knowledge: no
+    I/O, so a chunk only in s3 that this node never saw is not counted."""
+
+    def __init__(
+        self, get: Callable[[ChunkKey], Any], ns: str, tiers: list[str], now_ms: int
+    ) -> None:
+        self._get = get
+        self._ns = ns
+        self._now = now_ms
+        self.tiers = dict.fromkeys(tiers, 0)
+        self._open = list(tiers)
+        self.matched = 0
+        self.tokens = 0
+        self.done = False
+
+    def feed(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            if self.done:
+                return
+            rec = self._get(ChunkKey(self._ns, h))
+            if rec is None or not rec.tiers or (
+                rec.expire_at is not None and rec.expire_at <= self._now
+            ):
+                self.done = True
+                return
+            self.matched += 1
+            self.tokens += rec.tokens
+            still = []
+            for tier in self._open:
+                if tier in rec.tiers:
+                    self.tiers[tier] += 1
+                    still.append(tier)
+            self._open = still
