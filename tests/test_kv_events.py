@@ -219,3 +219,23 @@ def test_a_subscriber_that_stops_reading_costs_the_server_nothing(make_server) -
     finally:
         stalled.close(linger=0)
         ctx.term()
+
+
+def test_batch_reservation_carries_token_ids_to_commit(events_server) -> None:
+    """KV.MRESERVE … TOKENIDS: each chunk's share of the ids goes out when KV.COMMIT publishes
+    it; ids that do not split evenly are refused."""
+    _srv, r, sub = events_server()
+    h = [_h(i, b"batch") for i in range(2)]
+    with pytest.raises(redis.ResponseError, match="TOKENIDS: 31 token ids for 2 chunks"):
+        r.execute_command("KV.MRESERVE", NS, b"", 2, h[0], 4096, h[1], 4096,
+                          "TOKENIDS", _ids(31))  # fmt: skip
+    lease, entries = r.execute_command("KV.MRESERVE", NS, b"", 2, h[0], 4096, h[1], 4096,
+                                       "TOKENIDS", _ids(32))  # fmt: skip
+    assert len(entries) == 2 and lease is not None
+    r.execute_command("KV.COMMIT", lease)
+    events = wait_events(r, sub, _decode, 3)
+    stored = [ev for _, ev in events if ev["type"] == "BlockStored"]
+    assert [ev["block_hashes"][0] for ev in stored] == [_wire(h[0]), _wire(h[1])]
+    assert [ev["token_ids"] for ev in stored] == [list(range(16)), list(range(16, 32))]
+    assert stored[1]["parent_block_hash"] == _wire(h[0])
+    assert {ev["block_size"] for ev in stored} == {16}

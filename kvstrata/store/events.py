@@ -21,7 +21,9 @@ Chunks of the server's own namespaces (large plain strings) are never reported.
 
 Token ids cost memory only for the chunks they were given with: the packed ids (4 bytes per
 token, plus a 33-byte ``bytes`` header) and one dict slot and a two-item list (~150 bytes),
-held while the chunk has a copy in some tier; they are not kept across restarts.
+held while the chunk has a copy in some tier; they are not kept across restarts. Ids given
+with a reservation wait for its KV.COMMIT in a map of at most :data:`EXPECTED_MAX` bytes (an
+abandoned batch's ids are pushed out by newer ones).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 MEDIA = {"gpu": "GPU", "dram": "CPU_PINNED", "nvme": "DISK", "s3": "EXTERNAL"}
 
 Event = tuple[Any, ...]
+#: most bytes of token ids waiting for their chunks' publication (KV.MRESERVE … KV.COMMIT)
+EXPECTED_MAX = 64 * 1024**2
 
 
 class EventSink(Protocol):
@@ -71,8 +75,10 @@ class TierEvents:
         self._muted = 0
         #: key → [packed token ids, copies reported]: ids given with a chunk, kept while it has one
         self.tokens: dict[ChunkKey, list[Any]] = {}
-        #: ids given with a write in flight (KV.PUT … TOKENIDS), taken by its first STORED
+        #: ids given with a write in flight (KV.PUT/KV.MRESERVE … TOKENIDS), taken by its
+        #: first STORED; the oldest go past :data:`EXPECTED_MAX` bytes (a batch never committed)
         self._expected: dict[ChunkKey, bytes] = {}
+        self._expected_bytes = 0
         self.token_bytes = 0
         self.events = 0
         self.cleared()  # a router that knew this node's earlier life forgets it
@@ -89,6 +95,7 @@ class TierEvents:
             if held is None:
                 ids = self._expected.pop(key, None)
                 if ids is not None:
+                    self._expected_bytes -= len(ids)
                     held = self.tokens[key] = [ids, 0]
                     self.token_bytes += len(ids)
             if held is not None:
@@ -121,10 +128,16 @@ class TierEvents:
     def expect_tokens(self, key: ChunkKey, ids: bytes) -> None:
         """The token ids of a chunk about to be written; :meth:`forget_tokens` after the
         write, stored or not (a stored chunk has taken them by then)."""
-        self._expected[key] = bytes(ids)
+        self.forget_tokens(key)
+        self._expected[key] = ids = bytes(ids)
+        self._expected_bytes += len(ids)
+        while self._expected_bytes > EXPECTED_MAX and len(self._expected) > 1:
+            self.forget_tokens(next(iter(self._expected)))
 
     def forget_tokens(self, key: ChunkKey) -> None:
-        self._expected.pop(key, None)
+        ids = self._expected.pop(key, None)
+        if ids is not None:
+            self._expected_bytes -= len(ids)
 
     def info(self) -> list[tuple[str, object]]:
         """INFO events: what the store reported, the token ids it keeps, then the sink's."""
