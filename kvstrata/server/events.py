@@ -14,14 +14,15 @@ store's tier events (``kvstrata.store.events``), in the wire format of vLLM 0.33
   bytes big endian)]`` gets every kept message from that sequence number on as ``[identity, "",
   topic, seq, payload]``, then ``[identity, "", "", -1 (8 bytes), ""]``.
 
-Nothing here blocks the event loop: each loop tick's events go out as messages of at most
-:data:`MAX_EVENTS` events, sent with ``NOBLOCK`` on a socket with ``XPUB_NODROP`` and a
-high-water mark (``kv-events-hwm`` messages): when a subscriber's queue is full the message is
-dropped and counted (``INFO events``), never waited for; it stays in the replay buffer (the
-newest ``kv-events-buffer`` bytes of messages), so a subscriber that sees a gap in the sequence
-numbers can ask for it. The replay socket is served from the loop when ZMQ says it is readable;
-at most :data:`REPLAY_HWM` messages are queued per requester (a larger replay is cut short, the
-requester sees the gap that remains and asks again from there).
+Nothing here blocks the event loop: each flush's events (``store.events``: a millisecond of
+them) go out as messages of at most :data:`MAX_EVENTS` events, sent with ``NOBLOCK`` on a
+socket with ``XPUB_NODROP`` and a high-water mark (``kv-events-hwm`` messages): when a
+subscriber's queue is full the message is dropped and counted (``INFO events``), never waited
+for; it stays in the replay buffer (the newest ``kv-events-buffer`` bytes of messages), so a
+subscriber that sees a gap in the sequence numbers can ask for it. The replay socket is served
+from the loop when ZMQ says it is readable; at most :data:`REPLAY_HWM` messages are queued per
+requester (a larger replay is cut short: the requester sees the gap that remains and asks again
+from there).
 
 Needs the optional ``events`` extra (pyzmq, msgspec); without it the server starts unless
 ``kv-events-endpoint`` is set, and then stops with :data:`INSTALL_HINT`.
@@ -48,7 +49,7 @@ INSTALL_HINT = (
     "kv-events-endpoint needs the 'events' extra (pyzmq, msgspec): "
     "python3 -m pip install 'kvstrata[events]'"
 )
-#: most events in one message (a tick with more sends several)
+#: most events in one message (a flush with more sends several)
 MAX_EVENTS = 256
 #: most replayed messages queued for one requester
 REPLAY_HWM = 4096
@@ -211,7 +212,7 @@ class ZmqPublisher:
     # -- the sink ---------------------------------------------------------------------------
 
     def send(self, events: list[Event]) -> None:
-        """One tick's events: runs of one namespace become messages on its topic."""
+        """One flush's events: runs of one namespace become messages on its topic."""
         run: list[dict[str, Any]] = []
         run_ns: str | None = None
         for event in events:

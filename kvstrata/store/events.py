@@ -3,9 +3,10 @@
 The index calls :meth:`TierEvents.residency` from the one place residency changes
 (``ChunkIndex._residency``: a live record gained or lost a copy in a tier, or was removed), so
 no write, read, move, delete or expiry path can be left out. This module turns those calls into
-plain event tuples, gathers them for the current loop tick and hands each tick's list, in order,
-to a sink (``kvstrata.server.events`` encodes them in vLLM's wire format and publishes them on
-ZMQ). It does no I/O itself and never blocks: the sink must not either.
+plain event tuples, gathers them for :data:`FLUSH_DELAY` (a millisecond: the loop ticks of a
+pipeline of commands) and hands each such list, in order, to a sink
+(``kvstrata.server.events`` encodes them in vLLM's wire format and publishes them on ZMQ). It
+does no I/O itself and never blocks: the sink must not either.
 
 Events (tuples, first item the kind):
 
@@ -42,12 +43,15 @@ STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 MEDIA = {"gpu": "GPU", "dram": "CPU_PINNED", "nvme": "DISK", "s3": "EXTERNAL"}
 
 Event = tuple[Any, ...]
+#: seconds events wait to be sent with the ones that follow: pipelined KV.PUTs each run in a
+#: loop tick of their own (they await), so a flush per tick sent one message per event
+FLUSH_DELAY = 0.001
 #: most bytes of token ids waiting for their chunks' publication (KV.MRESERVE … KV.COMMIT)
 EXPECTED_MAX = 64 * 1024**2
 
 
 class EventSink(Protocol):
-    """Where each tick's events go (``kvstrata.server.events.ZmqPublisher``)."""
+    """Where each flush's events go (``kvstrata.server.events.ZmqPublisher``)."""
 
     def send(self, events: list[Event]) -> None: ...
 
@@ -149,20 +153,20 @@ class TierEvents:
             *self.sink.info(),
         ]
 
-    # -- batching per loop tick -------------------------------------------------------------
+    # -- batching, a millisecond at a time ---------------------------------------------------
 
     def _add(self, event: Event) -> None:
         self._pending.append(event)
         if self._scheduled:
             return
         try:
-            asyncio.get_running_loop().call_soon(self.flush)
+            asyncio.get_running_loop().call_later(FLUSH_DELAY, self.flush)
         except RuntimeError:  # no loop (tests building a store by hand): sent on next flush
             return
         self._scheduled = True
 
     def flush(self) -> None:
-        """Hand the events gathered so far to the sink (runs once per loop tick)."""
+        """Hand the events gathered so far to the sink (:data:`FLUSH_DELAY` after the first)."""
         self._scheduled = False
         if not self._pending:
             return
