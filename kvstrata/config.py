@@ -353,6 +353,10 @@ OPTIONS: tuple[Option, ...] = (
     _opt("kv-events-vllm-namespaces", "vllm:*", _str,
          "Namespace glob of the vLLM tier (clients/vllm.py): its hashes are vLLM offload keys "
          "(block hash + 4-byte group), sent as vLLM's block hash and group_idx."),
+    _opt("kv-events-event-format", "map", _choice("map", "array"),
+         "map = vLLM 0.33's events (maps tagged by type); array = the array_like events of "
+         "earlier vLLM releases, which llm-d's kv-cache-manager decodes ([tag, hashes, parent, "
+         "token_ids, block_size, lora_id, medium])."),
     _opt("kv-events-hash-format", "int64", _choice("int64", "bytes"),
          "Block hashes in the events: int64 = the hash as a big-endian integer, low 64 bits "
          "(vLLM's default conversion of its own block hashes); bytes = as stored."),

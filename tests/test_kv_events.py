@@ -239,3 +239,48 @@ def test_batch_reservation_carries_token_ids_to_commit(events_server) -> None:
     assert [ev["token_ids"] for ev in stored] == [list(range(16)), list(range(16, 32))]
     assert stored[1]["parent_block_hash"] == _wire(h[0])
     assert {ev["block_size"] for ev in stored} == {16}
+
+
+class _OldEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    """The array_like events of earlier vLLM releases (its kv_events_subscriber.py then), the
+    layout llm-d's kv-cache-manager decodes."""
+
+
+class _OldStored(_OldEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class _OldRemoved(_OldEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class _OldCleared(_OldEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _OldBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_OldStored | _OldRemoved | _OldCleared]
+    data_parallel_rank: int | None = None
+
+
+def test_array_events_for_older_decoders(events_server) -> None:
+    """kv-events-event-format array: decoded strictly by the array_like structs of earlier vLLM
+    releases (llm-d's layout), topic kv@<node>@<model> split in exactly three parts."""
+    _srv, r, sub = events_server(kv_events_event_format="array", kv_events_node="pod-1")
+    r.execute_command("KV.PUT", NS, _h(0), b"", b"x", "TOKENIDS", _ids(16))
+    r.execute_command("KV.DEL", NS, _h(0))
+    decoder = msgspec.msgpack.Decoder(_OldBatch)
+    events = wait_events(r, sub, lambda p: decoder.decode(p).events, 3)
+    assert isinstance(events[0][1], _OldCleared)
+    assert events[1][1] == _OldStored([_wire(_h(0))], None, list(range(16)), 16, None, "CPU_PINNED")
+    assert events[2][1] == _OldRemoved([_wire(_h(0))], "CPU_PINNED")
+    topics = {t.decode().split("@")[1:] == ["pod-1", "llama-3.1-8b"] for _s, t, _p, _r in
+              sub.ordered()[1:]}  # fmt: skip
+    assert topics == {True}

@@ -9,7 +9,9 @@ store's tier events (``kvstrata.store.events``), in the wire format of vLLM 0.33
   one per message), payload;
 - payload: msgpack of ``KVEventBatch``, an ``array_like`` struct ``[ts, events,
   data_parallel_rank]``; each event a map tagged ``"type"`` (``BlockStored``,
-  ``BlockRemoved``, ``AllBlocksCleared``) with vLLM's field names;
+  ``BlockRemoved``, ``AllBlocksCleared``) with vLLM's field names (``kv-events-event-format
+  array``: the ``array_like`` events of earlier vLLM releases, ``[tag, field, …]``, which
+  llm-d's kv-cache-manager decodes);
 - ROUTER replay socket (``kv-events-replay-endpoint``): a request ``[identity, "", start seq (8
   bytes big endian)]`` gets every kept message from that sequence number on as ``[identity, "",
   topic, seq, payload]``, then ``[identity, "", "", -1 (8 bytes), ""]``.
@@ -152,6 +154,7 @@ class ZmqPublisher:
         self.endpoint = str(values["kv-events-endpoint"])
         self.replay_endpoint = str(values["kv-events-replay-endpoint"])
         self.hash_format = str(values["kv-events-hash-format"])
+        self.arrays = values["kv-events-event-format"] == "array"
         self.topic_template = str(values["kv-events-topic"])
         self.models = ModelMap(str(values["kv-events-models"]))
         self.vllm_glob = str(values["kv-events-vllm-namespaces"]).encode()
@@ -213,7 +216,7 @@ class ZmqPublisher:
 
     def send(self, events: list[Event]) -> None:
         """One flush's events: runs of one namespace become messages on its topic."""
-        run: list[dict[str, Any]] = []
+        run: list[Any] = []
         run_ns: str | None = None
         for event in events:
             if event[0] == CLEARED:
@@ -228,7 +231,20 @@ class ZmqPublisher:
             run.append(self._wire(event))
         self._flush(run_ns, run)
 
-    def _wire(self, event: Event) -> dict[str, Any]:
+    def _wire(self, event: Event) -> Any:
+        out = self._wire_map(event)
+        if not self.arrays:
+            return out
+        # array_like events of vLLM before 0.11 (and llm-d's decoder): the fields in order
+        keys: tuple[str, ...]
+        if out["type"] == "BlockStored":
+            keys = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium")  # fmt: skip
+        else:
+            keys = ("block_hashes", "medium")
+        return [out["type"], *(out[k] for k in keys)]
+
+    def _wire_map(self, event: Event) -> dict[str, Any]:
         ns, digest = event[1], event[2]
         offload_key = self._is_vllm(ns) and len(digest) > 4
         if offload_key:  # vLLM's OffloadKey: block hash, then the group index (4 bytes, BE)
@@ -270,10 +286,11 @@ class ZmqPublisher:
     def _cleared(self) -> None:
         """AllBlocksCleared on every topic used so far (the node's own one before any)."""
         topics = list(self._topics.values()) or [self._topic_of("")]
+        event: Any = ["AllBlocksCleared"] if self.arrays else {"type": "AllBlocksCleared"}
         for topic in topics:
-            self._publish(topic, [{"type": "AllBlocksCleared"}])
+            self._publish(topic, [event])
 
-    def _flush(self, ns: str | None, run: list[dict[str, Any]]) -> None:
+    def _flush(self, ns: str | None, run: list[Any]) -> None:
         if run and ns is not None:
             self._publish(self._topic_of(ns), run)
 
@@ -286,7 +303,7 @@ class ZmqPublisher:
                 self._topics[ns] = topic
         return topic
 
-    def _publish(self, topic: bytes, events: list[dict[str, Any]]) -> None:
+    def _publish(self, topic: bytes, events: list[Any]) -> None:
         payload = self._encode([time.time(), events, 0])
         seq = self.seq
         self.seq += 1
