@@ -284,3 +284,30 @@ def test_array_events_for_older_decoders(events_server) -> None:
     topics = {t.decode().split("@")[1:] == ["pod-1", "llama-3.1-8b"] for _s, t, _p, _r in
               sub.ordered()[1:]}  # fmt: skip
     assert topics == {True}
+
+
+def test_a_restart_clears_then_announces_what_nvme_kept(make_process_server, tmp_path) -> None:
+    """Scenario: chunks written through to NVMe; the server is restarted on the same data
+    folder. Its new stream starts with AllBlocksCleared (the router forgets the old life), then
+    one BlockStored DISK per chunk the NVMe index rebuild found (token ids are not kept)."""
+    data = tmp_path / "data"
+    first = make_process_server(data_dir=data, nvme_write_policy="write-through")
+    r = redis.Redis(port=first.port)
+    for i in range(3):
+        r.execute_command("KV.PUT", NS, _h(i, b"keep"), _h(i - 1, b"keep") if i else b"",
+                          b"z" * 4096, "TOKENS", 16)  # fmt: skip
+    first.stop()
+    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    again = make_process_server(data_dir=data, kv_events_endpoint=pub,
+                                kv_events_replay_endpoint=rep)  # fmt: skip
+    sub = Subscriber(pub, rep)
+    try:
+        r = redis.Redis(port=again.port)
+        events = [ev for _, ev in wait_events(r, sub, _decode, 4)]
+        assert events[0] == {"type": "AllBlocksCleared"}
+        assert sorted(_short([(0, ev) for ev in events[1:]])) == sorted(
+            ("stored", _wire(_h(i, b"keep")), "DISK") for i in range(3)
+        )
+        assert all(ev["token_ids"] == [] for ev in events[1:])
+    finally:
+        sub.close()

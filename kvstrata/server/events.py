@@ -215,7 +215,15 @@ class ZmqPublisher:
     # -- the sink ---------------------------------------------------------------------------
 
     def send(self, events: list[Event]) -> None:
-        """One flush's events: runs of one namespace become messages on its topic."""
+        """One flush's events: runs of one namespace become messages on its topic. A failure
+        is counted and logged (``kv_events_errors``); the events of later flushes still go."""
+        try:
+            self._send(events)
+        except Exception:
+            self.counters.errors += 1
+            log.exception("encoding KV events failed; %d events lost", len(events))
+
+    def _send(self, events: list[Event]) -> None:
         run: list[Any] = []
         run_ns: str | None = None
         for event in events:
