@@ -151,7 +151,7 @@ def _listening_line(server: object) -> str:
     assert isinstance(server, Server)
     return (
         f"kvstrata {__version__} listening on {server.config.bind} port={server.port}; loading "
-        "(pre-touching the DRAM arena, rebuilding the index): commands get -LOADING until ready"
+        "(building the tiers, indexing NVMe): KV commands get -LOADING until ready"
     )
 
 
