@@ -9,6 +9,7 @@ from :data:`OPTIONS` (``python -m kvstrata.config``).
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
@@ -609,7 +610,9 @@ def load_config(
             if opt is None:
                 if source == "environment":
                     continue  # foreign KVSTRATA_* variables are not ours to judge
-                raise ConfigError(f"unknown key '{name}' in {source}")
+                close = difflib.get_close_matches(name, list(_BY_NAME), n=1, cutoff=0.6)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ConfigError(f"unknown key '{name}' in {source}{hint}")
             values[name] = _merge(values[name], _parse(opt, raw))
     _check(values)
     _check_dram_floor(values)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +145,11 @@ def test_unknown_flag_suggests_the_closest(capsys: pytest.CaptureFixture[str]) -
     )
     assert "see kvstrata serve --help" in unknown_option_message(["--zzzzzz"])
     assert "unexpected argument '4GiB'" in unknown_option_message(["4GiB"])
+
+
+def test_an_unknown_key_in_the_toml_file_gets_the_closest(tmp_path: Path) -> None:
+    config = tmp_path / "kvstrata.toml"
+    config.write_text('dram-capcity = "4GiB"\n')
+    with pytest.raises(ConfigError, match=r"unknown key 'dram-capcity' in .*kvstrata.toml "
+                       r"\(did you mean 'dram-capacity'\?\)"):  # fmt: skip
+        load_config(config_file=config, env={})
