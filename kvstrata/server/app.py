@@ -2,12 +2,13 @@
 
 ``Server.run()`` starts everything and returns after shutdown (SIGTERM/SIGINT, ``SHUTDOWN``,
 or :meth:`Server.request_shutdown`). Start-up binds the listeners first (:meth:`Server.listen`)
-and then builds the store (:meth:`Server.load`: dram pre-touch, index rebuild); meanwhile
+and then builds the store (:meth:`Server.load`: the tiers, the NVMe index rebuild); meanwhile
 ``loading`` is true and commands without Redis's ``loading`` flag (everything but PING, INFO,
-AUTH, HELLO, CLIENT, CONFIG, COMMAND…) get ``-LOADING``. Shutdown closes the listeners, lets
-in-flight commands finish within ``shutdown-timeout`` seconds, closes the connections, then the
-store — after writing the chunks only memory tiers hold to NVMe within another
-``shutdown-timeout`` seconds, unless it was ``SHUTDOWN NOSAVE``.
+AUTH, HELLO, CLIENT, CONFIG, COMMAND…) get ``-LOADING``. The DRAM arena's warm-up is not part
+of loading: it runs in the background while the store serves (``kvstrata.tiers.dram``).
+Shutdown closes the listeners, lets in-flight commands finish within ``shutdown-timeout``
+seconds, closes the connections, then the store — after writing the chunks only memory tiers
+hold to NVMe within another ``shutdown-timeout`` seconds, unless it was ``SHUTDOWN NOSAVE``.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ class Server:
         self.events.start()
 
     async def load(self) -> None:
-        """Build the store (pre-touch, index rebuild); then commands are no longer refused."""
+        """Build the store (tiers, index rebuild); then commands are no longer refused (the DRAM
+        arena goes on warming in the background)."""
         self.store = await _build_store(self.config, self.keyspace, self.events)
         self.strings.kv = self.store  # large plain values live in its tiers
         self.loading = False

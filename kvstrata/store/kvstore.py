@@ -116,7 +116,8 @@ class KVStore:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Prepare the tiers (the dram pre-touch), rebuild the index, start background work."""
+        """Prepare the tiers (starts the dram warm-up, which runs on in the background), rebuild
+        the index, start background work."""
         for tier in self.state.tiers:
             await tier.prepare()
         await rebuild_index(self.state, self.rebuild)

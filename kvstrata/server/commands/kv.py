@@ -7,7 +7,9 @@ on a worker thread (the hashing of KV.MATCHTOKENS), so other clients stay served
 
 Trailing option words (``WITHTIERS``, ``PREFETCH``, ``CASCADE``, ``TOKENS``, ``TTL``, ``NX``…)
 are matched case-insensitively; in commands that take a variable list of hashes (``KV.MATCH``)
-a hash equal to an option word must not be the last argument.
+a hash equal to an option word must not be the last argument. Hashes are opaque, so a misspelt
+option (``WITHTEIRS``) is a hash: KV.MATCH logs a warning when its last hash is an option word
+but for case or one edit (``_near``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvstrata.server.commands._chain import (
     matched_sliced,
     next_slice,
 )
+from kvstrata.server.commands._near import warn_if_option_like
 from kvstrata.server.commands.connection import arg_bytes, parse_int
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
@@ -296,7 +299,8 @@ _MATCH_WORDS = (b"WITHTIERS", b"PREFETCH")
     "of the chain this node does not hold is looked up in s3 (chunks stored by other nodes). "
     "WITHTIERS adds the fastest tier of each matched chunk; PREFETCH queues the matched "
     "chunks for promotion into DRAM in the background. A hash equal to an option word must not "
-    "be last.",
+    "be last; hashes are opaque, so a misspelt option (WITHTEIRS) is taken as a hash, and the "
+    "server logs a warning when the last hash is an option but for case or one edit.",
     complexity="O(N) hashes",
     arguments=(
         NS,
@@ -314,6 +318,8 @@ def kv_match(ctx: Ctx, args: Args) -> Reply:
     while end > 3 and len(args[end - 1]) <= 9 and arg_bytes(args[end - 1]).upper() in _MATCH_WORDS:
         flags.add(arg_bytes(args[end - 1]).upper())
         end -= 1
+    if 7 <= len(args[end - 1]) <= 10:  # WITHTIERS, PREFETCH but for case or one edit?
+        warn_if_option_like("KV.MATCH", arg_bytes(args[end - 1]), _MATCH_WORDS, ctx.client.addr)
     hashes = chain_hashes(ctx, args[2:end])
     store = store_of(ctx)
     trace(ctx, "match", ns, hashes, prefetch=b"PREFETCH" in flags)
