@@ -346,6 +346,40 @@ OPTIONS: tuple[Option, ...] = (
     _opt("data-dir", "./kvstrata-data", _path, "Folder for persistent tiers."),
     _opt("trace-file", "", _path, "Append every KV.MATCH/PUT/GET/LEASE/SESSION/PREFETCH (sizes "
          "and hashes, no payloads) to this JSON Lines file for kvstrata simulate; empty = off."),
+    # KV events (docs/events.md)
+    _opt("kv-events-endpoint", "", _str,
+         "ZMQ PUB endpoint of the KV events routers read (vLLM's wire format), e.g. "
+         "tcp://127.0.0.1:5557; >tcp://host:port connects instead of binding; empty = off "
+         "(needs the events extra)."),
+    _opt("kv-events-replay-endpoint", "", _str,
+         "ZMQ ROUTER endpoint where a subscriber that missed sequence numbers asks for them "
+         "again (vLLM's replay protocol); empty = off."),
+    _opt("kv-events-buffer", 64 * 1024**2, parse_size,
+         "Bytes of the newest messages kept for replay (a message: one namespace's events of a "
+         "millisecond, at most 256).", **_SIZE),
+    _opt("kv-events-hwm", 256, _int(1, 10**7),
+         "Messages queued per subscriber (ZMQ high-water mark); past it a message is dropped "
+         "for every subscriber (INFO events: kv_events_dropped) and stays in the replay buffer, "
+         "never waited for."),
+    _opt("kv-events-topic", "kv@{node}@{model}", _str,
+         "Topic frame of each message; {node} is kv-events-node, {model} the namespace's "
+         "model (kv-events-models)."),
+    _opt("kv-events-node", "", _str,
+         "This node's name in topics and in KV.TIERMATCH replies (empty = hostname:port)."),
+    _opt("kv-events-models", "", _str,
+         "Namespace → model and LoRA in the events: space-separated "
+         "NAMESPACE-GLOB=MODEL[;LORA_ID[;LORA_NAME]], first match wins; other namespaces: "
+         "their text up to the first @."),
+    _opt("kv-events-vllm-namespaces", "vllm:*", _str,
+         "Namespace glob of the vLLM tier (clients/vllm.py): its hashes are vLLM offload keys "
+         "(block hash + 4-byte group), sent as vLLM's block hash and group_idx."),
+    _opt("kv-events-event-format", "map", _choice("map", "array"),
+         "map = vLLM 0.33's events (maps tagged by type); array = the array_like events of "
+         "earlier vLLM releases, which llm-d's kv-cache-manager decodes ([tag, hashes, parent, "
+         "token_ids, block_size, lora_id, medium])."),
+    _opt("kv-events-hash-format", "int64", _choice("int64", "bytes"),
+         "Block hashes in the events: int64 = the hash as a big-endian integer, low 64 bits "
+         "(vLLM's default conversion of its own block hashes); bytes = as stored."),
     # KV store
     _opt("chunk-tokens", 256, _int(1, 1 << 20), "Default tokens per chunk (KV.MATCHTOKENS)."),
     _opt("lease-ttl", 30000, _int(1, 86_400_000, "MS"), "Default lease lifetime in ms.",
@@ -457,6 +491,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("prefetch", ("prefetch-*",)),
     ("slow log", ("slowlog-*",)),
     ("metrics", ("metrics-port",)),
+    ("kv events for routers", ("kv-events-*",)),
     ("tracing", ("trace-file",)),
 )  # fmt: skip
 
@@ -568,6 +603,8 @@ def _check(values: Mapping[str, Any]) -> None:
             f"invalid value for 'min-chunk-tokens': {values['min-chunk-tokens']} is above "
             f"chunk-tokens ({values['chunk-tokens']})"
         )
+    if values["kv-events-replay-endpoint"] and not values["kv-events-endpoint"]:
+        raise ConfigError("invalid value for 'kv-events-replay-endpoint': needs kv-events-endpoint")
     if values["tls-port"] and not (values["tls-cert-file"] and values["tls-key-file"]):
         raise ConfigError("invalid value for 'tls-port': needs tls-cert-file and tls-key-file")
     if values["tls-port"] and values["tls-auth-clients"] != "no" and not values["tls-ca-cert-file"]:

@@ -33,6 +33,7 @@ from kvstrata.server.commands.connection import arg_bytes, parse_int
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.keys import (
+    ChunkKey,
     validate_hash,
     validate_namespace,
     validate_parent,
@@ -117,8 +118,34 @@ def _put_sink(ctx: Any, args_so_far: list[Any], nbytes: int) -> Any:
     return store.reserve_put(ns, h, parent, nbytes)
 
 
+#: most token ids one chunk may carry (TOKENIDS): the largest chunk-tokens
+MAX_TOKEN_IDS = 1 << 20
+
+
+def token_ids_option(arg: Any) -> bytes:
+    """TOKENIDS: the chunk's token ids, packed little-endian u32 (sent in KV events)."""
+    ids = arg_bytes(arg)
+    if not ids or len(ids) % 4:
+        raise CommandError("invalid TOKENIDS: must be packed LE u32, a non-empty multiple of 4")
+    if len(ids) // 4 > MAX_TOKEN_IDS:
+        raise CommandError(f"invalid TOKENIDS: more than {MAX_TOKEN_IDS} token ids")
+    return ids
+
+
+def token_ids_count(opts: dict[bytes, Any]) -> int:
+    """TOKENS, or the number of TOKENIDS when only those were given (they must agree)."""
+    ids = opts.get(b"TOKENIDS")
+    tokens = opts.get(b"TOKENS")
+    if ids is None:
+        return tokens or 0
+    if tokens is not None and tokens != len(ids) // 4:
+        raise CommandError(f"invalid TOKENIDS: {len(ids) // 4} token ids for TOKENS {tokens}")
+    return len(ids) // 4
+
+
 _PUT_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
     b"TOKENS": tokens_option,
+    b"TOKENIDS": token_ids_option,
     b"TTL": _ttl,
     b"NX": None,
 }
@@ -130,13 +157,16 @@ _PUT_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
     "write denyoom",
     group="kv",
     summary="Stores one chunk (parent empty for the first chunk of a chain). A large payload is "
-    "received straight into its DRAM slot. TTL is the chunk's time to live in ms.",
+    "received straight into its DRAM slot. TTL is the chunk's time to live in ms. TOKENIDS "
+    "(packed LE u32, TOKENS defaults to their number) go out in its KV events "
+    "(kv-events-endpoint; ignored when off).",
     arguments=(
         NS,
         HASH,
         PARENT,
         Arg("payload", "string"),
         Arg("tokens", "integer", optional=True, token="TOKENS"),
+        Arg("token-ids", "string", optional=True, token="TOKENIDS"),
         Arg("ttl", "integer", optional=True, token="TTL"),
         Arg("nx", "pure-token", optional=True, token="NX"),
     ),
@@ -160,21 +190,36 @@ def kv_put(ctx: Ctx, args: Args) -> Reply:
     payload = args[4] if sink is None else sink.view
     if not memoryview(payload).nbytes:
         raise CommandError("invalid payload: empty")
-    tokens, ttl = opts.get(b"TOKENS", 0), opts.get(b"TTL")
+    tokens, ttl = token_ids_count(opts), opts.get(b"TTL")
     size = memoryview(payload).nbytes
     trace(ctx, "put", ns, [h], parent=parent, size=size, tokens=tokens)
+    ids = opts.get(b"TOKENIDS")
+    events = store.events if ids is not None else None
+    if events is not None:
+        events.expect_tokens(ChunkKey(ns, h), ids)
     if sink is not None:  # the payload is already in its arena slot: usually nothing to await
-        done = store.put_sink_now(ns, h, parent, tokens, ttl, sink)
+        try:
+            done = store.put_sink_now(ns, h, parent, tokens, ttl, sink)
+        except BaseException:
+            if events is not None:
+                events.forget_tokens(ChunkKey(ns, h))
+            raise
         if done is not NOT_NOW:
+            if events is not None:
+                events.forget_tokens(ChunkKey(ns, h))
             return 1
-    return _put_slow(store, ns, h, parent, payload, tokens, ttl, b"NX" in opts, sink)
+    return _put_slow(store, ns, h, parent, payload, tokens, ttl, b"NX" in opts, sink, events)
 
 
 async def _put_slow(
     store: Any, ns: str, h: bytes, parent: bytes, payload: Any, tokens: int,
-    ttl: int | None, nx: bool, sink: Any,
+    ttl: int | None, nx: bool, sink: Any, events: Any = None,
 ) -> Reply:  # fmt: skip
-    return 1 if await store.put(ns, h, parent, payload, tokens, ttl, nx, sink) else 0
+    try:
+        return 1 if await store.put(ns, h, parent, payload, tokens, ttl, nx, sink) else 0
+    finally:
+        if events is not None:
+            events.forget_tokens(ChunkKey(ns, h))
 
 
 # -- KV.GET / KV.MGET ----------------------------------------------------------------------------
