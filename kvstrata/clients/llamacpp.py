@@ -47,6 +47,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama_cache import BaseLlamaCache
 
+from kvstrata.clients.handles import RegionMapError
 from kvstrata.clients.llamacpp_state import (
     KVLayout,
     StateError,
@@ -176,6 +177,8 @@ class KvstrataLlamaPrefix:
         self.seq_id = seq_id
         self.layout = context_layout(llm)
         self.namespace = llama_namespace(llm, self.layout, chunk_tokens)
+        #: False once the server's arena proved unreachable from here (reads by KV.MGET)
+        self.shared_memory = True
 
     def hashes(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
         return chunk_hashes(np.asarray(tokens, dtype=np.int64), self.namespace, self.chunk_tokens)
@@ -192,21 +195,32 @@ class KvstrataLlamaPrefix:
         n = min(self.cached(toks), len(toks) - 1, self.llm.n_ctx())
         if n <= _common_prefix(self.llm.input_ids[: self.llm.n_tokens], toks):
             return 0
-        payloads = self.load(toks, n)
-        n = min(n, len(payloads) * self.chunk_tokens)
+        state, n = self.load(toks, n)
         if n <= 0:
             return 0
-        state = assemble(payloads, n, self.layout, seq_id=self.seq_id)
         self._set_state(state, toks[:n])
         return n
 
-    def load(self, tokens: np.ndarray, n: int) -> list[Any]:
-        """The payloads of the chunks holding the first ``n`` tokens (stopping at a chunk
-        evicted since the match)."""
+    def load(self, tokens: np.ndarray, n: int, arch: str | None = None) -> tuple[bytearray, int]:
+        """The state of the first ``n`` tokens assembled from their chunks, and its length in
+        tokens (shorter when a chunk was evicted since the match; 0: nothing). Read in place
+        from the server's shared memory (``KV.LEASE``) on its host, else by ``KV.MGET``.
+        ``arch``: the whole-context form (``llama_state_set_data``)."""
         want = self.hashes(tokens)[: -(-n // self.chunk_tokens)]
+        if self.shared_memory:
+            try:
+                lease = self.client.lease(self.namespace, want, tier="dram")
+            except RegionMapError:  # the server runs on another host
+                self.shared_memory, lease = False, None
+            if lease is not None:
+                with lease:
+                    return assemble(lease.views(), n, self.layout, self.seq_id, arch), n
         got = self.client.mget(self.namespace, want)
         present = next((i for i, p in enumerate(got) if p is None), len(got))
-        return got[:present]
+        n = min(n, present * self.chunk_tokens)
+        if n <= 0:
+            return bytearray(), 0
+        return assemble(got[:present], n, self.layout, self.seq_id, arch), n
 
     def _set_state(self, state: bytearray, tokens: np.ndarray) -> None:
         llm = self.llm
@@ -260,11 +274,9 @@ class KvstrataLlamaCache(BaseLlamaCache):
     def __getitem__(self, key: Sequence[int]) -> Any:
         toks = np.asarray(key, dtype=np.int64)
         n = min(self.prefix.cached(toks), len(toks))
-        payloads = self.prefix.load(toks, n) if n else []
-        n = min(n, len(payloads) * self.prefix.chunk_tokens)
+        state, n = self.prefix.load(toks, n, self.arch) if n else (bytearray(), 0)
         if n == 0:
             raise KeyError("no cached prefix")
-        state = assemble(payloads, n, self.prefix.layout, arch=self.arch)
         llm = self.prefix.llm
         input_ids = np.full(llm.n_ctx(), -1, dtype=np.intc)  # -1: never a token of a prompt
         input_ids[:n] = toks[:n]

@@ -28,6 +28,7 @@ import here: the codec is tested on its own against a writer that mirrors ``stat
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -327,7 +328,7 @@ def parse_chunk(payload: bytes | bytearray | memoryview, expect: KVLayout) -> Ch
 
 
 def assemble(
-    payloads: list[bytes | bytearray | memoryview],
+    payloads: Sequence[bytes | bytearray | memoryview],
     n_tokens: int,
     layout: KVLayout,
     seq_id: int = 0,

@@ -42,12 +42,18 @@ class Shape:
 
 
 def converter() -> Path:
-    path = os.environ.get("KVSTRATA_LLAMACPP_CONVERTER")
-    if not path or not Path(path).is_file():
+    """The sdist's converter: ``KVSTRATA_LLAMACPP_CONVERTER``, else where
+    ``scripts/engines/llamacpp.sh`` unpacks it."""
+    default = (
+        Path(os.environ.get("KVSTRATA_WHEEL_DIR", Path.home() / ".cache/kvstrata/wheels"))
+        / "llama_cpp_python-0.3.36-src/vendor/llama.cpp/convert_hf_to_gguf.py"
+    )
+    path = Path(os.environ.get("KVSTRATA_LLAMACPP_CONVERTER") or default)
+    if not path.is_file():
         raise RuntimeError(
-            "KVSTRATA_LLAMACPP_CONVERTER is not set: run scripts/engines/llamacpp.sh"
+            f"no converter at {path}: run scripts/engines/llamacpp.sh --install-only"
         )
-    return Path(path)
+    return path
 
 
 def corpus(n_lines: int = 2000, seed: int = 0) -> list[str]:
@@ -60,6 +66,7 @@ def build_gguf(cache_dir: Path, shape: Shape = Shape()) -> Path:
     out = cache_dir / f"{shape.name}.gguf"
     if out.is_file():
         return out
+    script = converter()
     import sentencepiece as spm
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -101,7 +108,7 @@ def build_gguf(cache_dir: Path, shape: Shape = Shape()) -> Path:
     model.save_pretrained(hf)
     tmp = out.with_suffix(".tmp")
     subprocess.run(
-        [sys.executable, str(converter()), str(hf), "--outfile", str(tmp), "--outtype", "f16"],
+        [sys.executable, str(script), str(hf), "--outfile", str(tmp), "--outtype", "f16"],
         check=True,
         capture_output=True,
     )

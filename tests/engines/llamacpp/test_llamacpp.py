@@ -61,11 +61,15 @@ def recompute(model: Path, flash: bool, tokens: list[int]) -> tuple[np.ndarray, 
 
 
 def restored(
-    model: Path, flash: bool, tokens: list[int], port: int
+    model: Path, flash: bool, tokens: list[int], port: int, shared_memory: bool = True
 ) -> tuple[int, np.ndarray, list[int]]:
+    """Restore into a fresh context (reading chunks in place from the server's shared memory,
+    or with ``shared_memory=False`` by KV.MGET), compute the rest and 24 greedy tokens."""
     llm = make_llm(model, flash)
     with Client(port=port) as c:
-        n = KvstrataLlamaPrefix(llm, c).restore(tokens)
+        prefix = KvstrataLlamaPrefix(llm, c)
+        prefix.shared_memory = shared_memory
+        n = prefix.restore(tokens)
     assert llm.n_tokens == n
     llm.eval(tokens[n:])
     return n, last_logits(llm), greedy(llm, STEPS)
@@ -87,9 +91,11 @@ def test_store_in_one_process_restore_in_a_fresh_one(
     tokens = prompt_tokens(llm, TEXT, 4 * 256 + 77)
     report = store_in_fresh_process(models["a"], kv.port, flash, tokens)
     assert report["stored"] == 1024
-    n, logits, steps = restored(models["a"], flash, tokens, kv.port)
-    assert n == 1024
-    assert_same((logits, steps), recompute(models["a"], flash, tokens))
+    want = recompute(models["a"], flash, tokens)
+    for shared_memory in (True, False):
+        n, logits, steps = restored(models["a"], flash, tokens, kv.port, shared_memory)
+        assert n == 1024
+        assert_same((logits, steps), want)
 
 
 def test_a_prompt_cached_in_full_is_restored_one_token_short(
