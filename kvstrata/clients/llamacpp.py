@@ -55,6 +55,7 @@ from kvstrata.clients.llamacpp_state import (
     encode_chunk,
     parse_state,
 )
+from kvstrata.protocol.errors import LeaseLimitError
 from kvstrata.store.hashing import chunk_hashes
 from kvstrata.store.keys import validate_namespace
 
@@ -166,7 +167,7 @@ def llama_namespace(llm: Any, layout: KVLayout, chunk_tokens: int = CHUNK_TOKENS
 
 class KvstrataLlamaPrefix:
     """Restores and stores one ``Llama``'s sequence ``seq_id`` through a kvstrata client
-    (:class:`kvstrata.clients.sync.Client`: ``match``, ``mget``, ``put_chain``)."""
+    (:class:`kvstrata.clients.sync.Client`: ``match``, ``lease``, ``mget``, ``put_chain``)."""
 
     def __init__(
         self, llm: Any, client: Any, *, chunk_tokens: int = CHUNK_TOKENS, seq_id: int = 0
@@ -207,20 +208,29 @@ class KvstrataLlamaPrefix:
         from the server's shared memory (``KV.LEASE``) on its host, else by ``KV.MGET``.
         ``arch``: the whole-context form (``llama_state_set_data``)."""
         want = self.hashes(tokens)[: -(-n // self.chunk_tokens)]
+        lease = None
         if self.shared_memory:
             try:
                 lease = self.client.lease(self.namespace, want, tier="dram")
             except RegionMapError:  # the server runs on another host
-                self.shared_memory, lease = False, None
-            if lease is not None:
-                with lease:
-                    return assemble(lease.views(), n, self.layout, self.seq_id, arch), n
+                self.shared_memory = False
+            except LeaseLimitError:  # leases are all taken: read over the socket this time
+                pass
+        if lease is not None:
+            with lease:
+                return self._assembled(lease.views(), n, arch)
         got = self.client.mget(self.namespace, want)
         present = next((i for i, p in enumerate(got) if p is None), len(got))
-        n = min(n, present * self.chunk_tokens)
+        return self._assembled(got[:present], n, arch)
+
+    def _assembled(
+        self, payloads: Sequence[Any], n: int, arch: str | None
+    ) -> tuple[bytearray, int]:
+        # a lease or a read stops at the first chunk evicted since the match
+        n = min(n, len(payloads) * self.chunk_tokens)
         if n <= 0:
             return bytearray(), 0
-        return assemble(got[:present], n, self.layout, self.seq_id, arch), n
+        return assemble(payloads, n, self.layout, self.seq_id, arch), n
 
     def _set_state(self, state: bytearray, tokens: np.ndarray) -> None:
         llm = self.llm

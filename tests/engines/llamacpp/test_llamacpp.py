@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -209,11 +210,21 @@ def test_set_cache_drop_in(models: dict[str, Path], client: Client) -> None:
     first.create_completion(prompt, max_tokens=STEPS, temperature=0.0)
     assert first.cache is not None and first.cache.cache_size > 0
     fresh = make_llm(models["a"], False)
-    cache = KvstrataLlamaCache(fresh, client)
+    cache = Counting(fresh, client)
     assert prompt in cache
     fresh.set_cache(cache)
     got = fresh.create_completion(prompt, max_tokens=STEPS, temperature=0.0)
+    assert cache.hits == [512]  # the prompt's two full chunks, loaded by load_state
     assert got["choices"][0]["text"] == want
+
+
+class Counting(KvstrataLlamaCache):
+    hits: list[int]
+
+    def __getitem__(self, key: Any) -> Any:
+        state = super().__getitem__(key)
+        self.__dict__.setdefault("hits", []).append(state.n_tokens)
+        return state
 
 
 def test_layout_matches_what_llama_cpp_writes(models: dict[str, Path]) -> None:
@@ -224,3 +235,21 @@ def test_layout_matches_what_llama_cpp_writes(models: dict[str, Path]) -> None:
         layout = context_layout(llm)
         assert layout.v_trans is (not flash)
         assert parse_state(read_state(llm)).layout == layout
+
+
+def test_a_chunk_evicted_after_the_match_shortens_the_restore(
+    models: dict[str, Path], client: Client
+) -> None:
+    """Between ``KV.MATCH`` and the read a chunk goes away: the lease and the ``KV.MGET``
+    both stop there, and the state assembled is the prefix before it."""
+    llm = make_llm(models["a"], False)
+    tokens = prompt_tokens(llm, TEXT, 800)
+    llm.eval(tokens)
+    prefix = KvstrataLlamaPrefix(llm, client)
+    assert prefix.store() == 768
+    assert client.delete(prefix.namespace, prefix.hashes(tokens)[1]) == 1
+    for shared_memory in (True, False):
+        prefix.shared_memory = shared_memory
+        state, n = prefix.load(np.array(tokens), 768)
+        assert n == 256
+        assert parse_state(state, prefix.layout).n_cells == 256
