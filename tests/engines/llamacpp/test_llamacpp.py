@@ -19,6 +19,7 @@ from kvstrata.clients.llamacpp import (
     KvstrataLlamaCache,
     KvstrataLlamaPrefix,
     StateError,
+    UnsupportedContext,
     context_layout,
     read_state,
 )
@@ -253,3 +254,25 @@ def test_a_chunk_evicted_after_the_match_shortens_the_restore(
         state, n = prefix.load(np.array(tokens), 768)
         assert n == 256
         assert parse_state(state, prefix.layout).n_cells == 256
+
+
+@pytest.mark.parametrize(
+    ("function", "value", "what"),
+    [
+        ("llama_model_n_swa", 4096, "sliding-window"),
+        ("llama_model_is_recurrent", True, "recurrent"),
+        ("llama_model_is_hybrid", True, "hybrid"),
+        ("llama_model_rope_type", 8, "M-RoPE"),  # LLAMA_ROPE_TYPE_MROPE
+    ],
+)
+def test_caches_it_cannot_cut_are_refused(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, function: str, value: Any, what: str
+) -> None:
+    """What llama.cpp reports about the model decides: a model whose KV has windows, recurrent
+    state or per-cell extras is refused before anything is stored."""
+    import llama_cpp
+
+    llm = make_llm(models["a"], False)
+    monkeypatch.setattr(llama_cpp, function, lambda *_: value)
+    with pytest.raises(UnsupportedContext, match=what):
+        context_layout(llm)
