@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-llamacpp-"))
     shape = Shape(hidden=a.hidden, layers=a.layers, heads=4, kv_heads=2, ffn=a.hidden * 3,
