@@ -1,5 +1,5 @@
-"""Builds the optional C extensions (the request scanner, the small-command path); kvstrata
-falls back to pure Python without them."""
+"""Builds the optional C extensions (the request scanner, the small-command path, the rANS
+coder of the lossless codecs); kvstrata falls back to pure Python (or zstd) without them."""
 
 from setuptools import Extension, setup
 
@@ -17,6 +17,12 @@ setup(
             depends=["kvstrata/server/_fastpath_scan.h"],
             optional=True,
             extra_compile_args=["-O2"],
+        ),
+        Extension(
+            "kvstrata.codecs._rans",
+            sources=["kvstrata/codecs/_rans.c"],
+            optional=True,
+            extra_compile_args=["-O3"],
         ),
     ]
 )

@@ -448,6 +448,11 @@ OPTIONS: tuple[Option, ...] = (
     _opt("s3-auth-key", "", _auth_key, "Key of the HMAC-SHA256 tags on S3 objects (16+ "
          "characters; empty: no tags). Objects without a valid tag are misses; shown redacted.",
          secret=True, fmt=_redacted),
+    _opt("s3-codec", "none", _choice("none", "bf16x", "fp16x", "int4e", "auto"),
+         "Lossless codec applied to chunks as they are uploaded to S3 and undone when they "
+         "are read back (KV.GET returns what was put): bf16x/fp16x split 16-bit values and "
+         "entropy-code the exponents, int4e entropy-codes KVST int4 payloads, auto picks by "
+         "a KVST payload's header (bf16x for other bytes). Kept only when it saves 3%."),
     _opt("s3-max-remote-records", 1_000_000, _int(0, 10**9), "Most index records of chunks "
          "held only in S3 (least recently used are forgotten, the objects stay; 0: no bound)."),
     _opt("gpu-device", 0, _int(0, 64), "CUDA device of the GPU tier."),
