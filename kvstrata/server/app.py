@@ -141,6 +141,7 @@ class Server:
         """Build the store (pre-touch, index rebuild); then commands are no longer refused."""
         self.store = await _build_store(self.config, self.keyspace)
         self.strings.kv = self.store  # large plain values live in its tiers
+        fastpath.bind_store(self)  # KV.MATCH / KV.MGET on the compiled path
         self.loading = False
         self._ready.set()
 

@@ -28,14 +28,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.server.cmdstats import CommandStat
+from kvstrata.store.index import ChunkRecord
+from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import StringEntry
+from kvstrata.store.kvstore_state import NOT_NOW
 from kvstrata.store.strings import ENTRY_OVERHEAD, LARGE_VALUE
 
 if TYPE_CHECKING:
     from kvstrata.server.app import Server
 
 #: the registry names of the commands the C path runs, in its index order (``last`` of a run)
-NAMES = ("PING", "ECHO", "GET", "SET", "EXISTS")
+NAMES = ("PING", "ECHO", "GET", "SET", "EXISTS", "KV.MATCH", "KV.MGET")
 #: reply bytes one run produces at most before the connection flushes (a GET of a 60 KiB value
 #: costs 20 bytes of input: the output of a buffered batch is bounded here, not by the input)
 MAX_OUT = 256 * 1024
@@ -63,6 +66,23 @@ def bind(server: Server) -> Any:
     return _ext.FastPath(
         server.keyspace, server.strings, server.cmdstats, StringEntry, CommandStat, LARGE_VALUE,
         ENTRY_OVERHEAD,
+    )  # fmt: skip
+
+
+def bind_store(server: Server) -> None:
+    """Give the compiled path the KV store's structures once it is built (``Server.load``), so
+    that it runs ``KV.MATCH`` and ``KV.MGET`` too; not while commands are traced
+    (``trace-file``: the recorder sees every KV command through the Python handlers)."""
+    fast = server.fastpath
+    store = server.store
+    if fast is None or store is None or server.tracer is not None:
+        return
+    state = store.state
+    dram = state.dram
+    fast.bind_kv(
+        state.index._records, ChunkKey, ChunkRecord, store, NOT_NOW, dram,
+        None if dram is None else dram._chunks, state.tiers, state.remote is not None,
+        server.config.values,
     )  # fmt: skip
 
 
