@@ -3,7 +3,8 @@
 ``kvstrata.server._fastpath`` (built by ``setup.py`` when a compiler is present, like the
 request scanner) runs the leading commands of a connection's buffer straight against the
 string store — ``PING``, ``ECHO``, ``GET``, ``SET key value`` (no option) and ``EXISTS`` — and
-appends their replies. It stops at the first command it does not handle and the connection's
+the KV store — ``KV.MATCH`` and ``KV.MGET`` of a chain the index holds (``_fastpath_kv.h``,
+bound by :func:`bind_store` once the store is built) — and appends their replies. It stops at the first command it does not handle and the connection's
 Python path (decoder, ``Connection._execute``, the handlers) takes over from that command; the
 Python path is the reference and the only path without the extension.
 
@@ -15,6 +16,15 @@ and the client's last command. What it leaves to Python, command by command: key
 (expiry), keys of another type (``WRONGTYPE``, large values in the tiers), a write that would go
 over ``maxmemory`` (eviction, ``-OOM``), wrong arity, options, malformed or incomplete input,
 quoted inline commands; a command that raises in C (reported through ``sys.unraisablehook``).
+For the KV commands, with the side effects of ``commands/kv.py`` (KV.MATCH: ``last_access``
+of the matched records; KV.MGET: each chunk read through ``KVStore.get_now``, the reference
+read — LRU touch, hits, tier counters, a pin — copied into the reply and its pin released at
+once; keyspace hits and misses), it leaves to Python: option words (``WITHTIERS``,
+``PREFETCH``), an invalid namespace or hash, more hashes than ``max-chain-chunks`` (or than
+1,024), a chunk with a TTL, a short match that a shared tier (s3) could extend, and for
+KV.MGET a shared tier, a GPU tier above DRAM, a chunk moving or not in DRAM, and 64 KiB or
+more of payload (zero-copy from the arena instead). Nothing is bound while ``trace-file`` is
+set: the recorder sees every KV command through the Python handlers.
 Whole batches go the Python way (:func:`usable`, asked again after every command the Python
 path runs) while a client is not authenticated, the server is loading, a ``MONITOR`` is
 attached, or the latency histograms of the metrics endpoint are on.
