@@ -4,9 +4,10 @@
 request scanner) runs the leading commands of a connection's buffer straight against the
 string store — ``PING``, ``ECHO``, ``GET``, ``SET key value`` (no option) and ``EXISTS`` — and
 the KV store — ``KV.MATCH`` and ``KV.MGET`` of a chain the index holds (``_fastpath_kv.h``,
-bound by :func:`bind_store` once the store is built) — and appends their replies. It stops at the first command it does not handle and the connection's
-Python path (decoder, ``Connection._execute``, the handlers) takes over from that command; the
-Python path is the reference and the only path without the extension.
+bound by :func:`bind_store` once the store is built) — and appends their replies. It stops
+at the first command it does not handle and the connection's Python path (decoder,
+``Connection._execute``, the handlers) takes over from that command; the Python path is the
+reference and the only path without the extension.
 
 What it honours, with the same side effects as the Python path (tests/test_fastpath.py runs one
 suite through both and compares): replies for RESP2 and RESP3; keyspace hits and misses; the
