@@ -86,7 +86,8 @@ def bind_store(server: Server) -> None:
     (``trace-file``: the recorder sees every KV command through the Python handlers)."""
     fast = server.fastpath
     store = server.store
-    if fast is None or store is None or server.tracer is not None:
+    tracing = server.tracer is not None or server.config.values.get("trace-file")
+    if fast is None or store is None or tracing:
         return
     state = store.state
     dram = state.dram
