@@ -149,6 +149,13 @@ def run_in(srv: RunningServer, data: bytes, resp3: bool = False) -> tuple[Any, .
     return tuple(srv.call(go))
 
 
+def test_bound_with_the_cheap_probes(kv_server: RunningServer) -> None:
+    """On this CPython a ChunkKey is built from its two slots and hashes as the tuple of its
+    fields, so the compiled path's index probes run no Python code (else it still answers
+    correctly, through ChunkKey's own __init__ and __hash__)."""
+    assert kv_server.call(kv_server.server.fastpath.kv_info) == (1, 1, 1, 0)
+
+
 def test_match_and_mget_run_compiled(kv_server: RunningServer) -> None:
     data = cmd("KV.MATCH", "ns", *CHAIN) + cmd("KV.MGET", "ns", "c1", "nope")
     before = kv_state(kv_server)

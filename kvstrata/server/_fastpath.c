@@ -630,6 +630,7 @@ fail:
 static PyMethodDef fp_methods[] = {
     {"run", (PyCFunction)(void (*)(void))fp_run, METH_FASTCALL, "Execute the leading fast commands of a buffer."},
     {"bind_kv", (PyCFunction)fp_bind_kv, METH_VARARGS, "Bind the KV store's structures (records None: unbind)."},
+    {"kv_info", (PyCFunction)fp_kv_info, METH_NOARGS, "(bound, raw_key, hash_known, remote)."},
     {NULL, NULL, 0, NULL},
 };
 

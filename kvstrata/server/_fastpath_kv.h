@@ -116,6 +116,12 @@ probe_done:
     Py_RETURN_NONE;
 }
 
+/* FastPath.kv_info() -> (bound, raw_key, hash_known, remote): how bind_kv found the store */
+static PyObject *fp_kv_info(FastPath *fp, PyObject *unused) {
+    Kv *kv = &fp->kv;
+    return Py_BuildValue("(iiii)", kv->records != NULL, kv->raw_key, kv->hash_known, kv->remote);
+}
+
 /* ChunkKey(ns, hash) as a new reference */
 static PyObject *kv_new_key(Kv *kv, PyObject *ns, PyObject *hash) {
     if (!kv->raw_key) return PyObject_CallFunctionObjArgs(kv->key_type, ns, hash, NULL);
