@@ -181,6 +181,10 @@ def _with_ttl(srv: RunningServer, h: bytes, expire_at: int) -> None:
     [
         cmd("KV.MATCH", "ns", "c0", "WITHTIERS"),
         cmd("KV.MATCH", "ns", "c0", "c1", "prefetch"),
+        cmd("KV.MATCH", "ns", "c0", "WITHTEIRS"),  # one edit from an option: Python warns
+        cmd("KV.MATCH", "ns", "c0", "prefetc"),
+        cmd("KV.MATCH", "ns", "c0", "xWITHTIERS"),
+        cmd("KV.MATCH", "ns", "c0", b"\xffITHTIERS"),
         cmd("KV.MATCH", "n s", "c0"),
         cmd("KV.MATCH", "ns", "c0", ""),
         cmd("KV.MATCH", "ns", "c0", b"h" * 65),
@@ -258,3 +262,29 @@ def test_a_failing_read_is_reported(
     head = cmd("KV.MATCH", "ns", "c0")
     assert run_in(srv, head + cmd("KV.MGET", "ns", "c0")) == (len(head), 1, "KV.MATCH", b":1\r\n")
     assert [str(r.exc_value) for r in reported] == ["read failed"]
+
+
+def test_a_declined_read_is_answered_by_python(
+    kv_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should ``KVStore.get_now`` ever decline a chunk the first pass found servable (its
+    conditions changed without the compiled path's), the command is reported and answered by
+    the Python path: the right bytes, never a partial reply."""
+    srv = kv_server
+    reported: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    srv.call(lambda: setattr(srv.server.store, "get_now", lambda ns, h: fastpath.NOT_NOW))
+    session = Session(srv.port)
+    got = session.send(cmd("KV.MGET", "ns", "c0", "c1"))
+    session.close()
+    assert got == b"*2\r\n" + b"".join(b"$1000\r\n" + payload(h) + b"\r\n" for h in CHAIN[:2])
+    assert [type(r.exc_value) for r in reported] == [RuntimeError]
+
+
+@pytest.mark.parametrize("last", [b"WXTHTXERS", b"PREFETCHED", b"cccccccc", b"PRE-FETCH!"])
+def test_a_hash_two_edits_from_an_option_runs_compiled(
+    kv_server: RunningServer, last: bytes
+) -> None:
+    """Only a last hash one edit from WITHTIERS/PREFETCH goes to Python (which warns)."""
+    data = cmd("KV.MATCH", "ns", "c0", last)
+    assert run_in(kv_server, data) == (len(data), 1, "KV.MATCH", b":1\r\n")

@@ -222,12 +222,41 @@ static int valid_ns(const Arg *a) {
     return 1;
 }
 
+/* Optimal-string-alignment distance of a (upper-cased) and b is at most 1 (commands/_near.py) */
+static int within_one_edit(const char *a, Py_ssize_t na, const char *b, Py_ssize_t nb) {
+    if (na == nb) {
+        Py_ssize_t d[3], nd = 0;
+        for (Py_ssize_t i = 0; i < na && nd < 3; i++)
+            if (a[i] != b[i]) d[nd++] = i;
+        if (nd <= 1) return 1;
+        return nd == 2 && d[1] == d[0] + 1 && a[d[0]] == b[d[1]] && a[d[1]] == b[d[0]];
+    }
+    if (na - nb != 1 && nb - na != 1) return 0;
+    const char *s = na < nb ? a : b, *l = na < nb ? b : a;
+    Py_ssize_t ns = na < nb ? na : nb, i = 0;
+    while (i < ns && s[i] == l[i]) i++;
+    return memcmp(s + i, l + i + 1, (size_t)(ns - i)) == 0;
+}
+
+/* KV.MATCH's last hash is an option word but for case or one edit: the Python handler logs a
+ * warning about it (commands/_near.py), so the command is its. */
+static int option_like(const Arg *a) {
+    if (a->n < 7 || a->n > 10) return 0;
+    char up[10];
+    for (Py_ssize_t i = 0; i < a->n; i++) {
+        char c = a->p[i];
+        up[i] = c >= 'a' && c <= 'z' ? (char)(c - 'a' + 'A') : c;
+    }
+    return within_one_edit(up, a->n, "WITHTIERS", 9) || within_one_edit(up, a->n, "PREFETCH", 8);
+}
+
 /* The arguments are a chain for us: a valid namespace, 1..max-chain-chunks hashes of 1..64
- * bytes, no trailing option word. The namespace as a new str, or NULL (no error: not for us). */
+ * bytes, a last hash that is not KV.MATCH's option word nor one edit from one (KV.MGET hands
+ * those over too: harmless). The namespace as a new str, or NULL (no error: not for us). */
 static PyObject *kv_chain(Kv *kv, const Arg *argv, int argc) {
     if (kv->records == NULL || argc < 3 || !valid_ns(&argv[1])) return NULL;
     const Arg *last = &argv[argc - 1];
-    if (name_is(last, "WITHTIERS") || name_is(last, "PREFETCH")) return NULL;
+    if (name_is(last, "WITHTIERS") || name_is(last, "PREFETCH") || option_like(last)) return NULL;
     long long limit = config_int(kv->values, s_max_chain);
     if (PyErr_Occurred()) PyErr_Clear();
     if (limit < 0 || argc - 2 > limit) return NULL;  /* the error reply is Python's */
@@ -330,7 +359,10 @@ static int mget_one(Kv *kv, PyObject *ns, const Arg *h, Out *o, int resp3) {
         Py_DECREF(payload);
         return (resp3 ? out_put(o, "_\r\n", 3) : out_put(o, "$-1\r\n", 5)) < 0 ? -1 : 0;
     }
-    if (payload == kv->not_now) {  /* the first pass said it would not be: a bug */
+    if (payload == kv->not_now) {
+        /* the first pass said it would serve it: get_now's conditions changed without
+         * mget_ours's. Reported; the Python path answers the command (the right bytes; the
+         * chunks read before this one count twice in the hit counters) */
         Py_DECREF(payload);
         PyErr_SetString(PyExc_RuntimeError, "KV.MGET: get_now declined a chunk checked");
         return -1;
