@@ -288,3 +288,42 @@ def test_a_hash_two_edits_from_an_option_runs_compiled(
     """Only a last hash one edit from WITHTIERS/PREFETCH goes to Python (which warns)."""
     data = cmd("KV.MATCH", "ns", "c0", last)
     assert run_in(kv_server, data) == (len(data), 1, "KV.MATCH", b":1\r\n")
+
+
+def test_option_like_last_hashes_match_the_python_check(kv_server: RunningServer) -> None:
+    """The compiled path hands KV.MATCH over exactly when the Python handler would warn about
+    its last hash (``commands/_near.near_option``): random words near WITHTIERS/PREFETCH."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from kvstrata.server.commands._near import near_option
+
+    def mutate(word: bytes, edits: list[tuple[int, int, int]]) -> bytes:
+        out = bytearray(word)
+        for kind, at, byte in edits:
+            at %= len(out) + 1
+            if kind == 0 and at < len(out):
+                out[at] = byte  # substitute
+            elif kind == 1:
+                out.insert(at, byte)
+            elif kind == 2 and at < len(out):
+                del out[at]
+            elif kind == 3 and at + 1 < len(out):
+                out[at], out[at + 1] = out[at + 1], out[at]  # swap neighbours
+        return bytes(out)
+
+    letters = st.sampled_from(b"WITHERSPFCwithersfc-\xff")
+    edit = st.tuples(st.integers(0, 3), st.integers(0, 10), letters)
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from([b"WITHTIERS", b"PREFETCH", b"withtiers"]), st.lists(edit, max_size=2))
+    def check(word: bytes, edits: list[tuple[int, int, int]]) -> None:
+        last = mutate(word, edits)
+        if not 1 <= len(last) <= 64:
+            return
+        data = cmd("KV.MATCH", "ns", "c0", last)
+        ran = run_in(kv_server, data)[1]
+        python_warns = 7 <= len(last) <= 10 and near_option(last, (b"WITHTIERS", b"PREFETCH"))
+        assert ran == (0 if python_warns or last.upper() in (b"WITHTIERS", b"PREFETCH") else 1)
+
+    check()
