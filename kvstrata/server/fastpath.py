@@ -21,7 +21,8 @@ For the KV commands, with the side effects of ``commands/kv.py`` (KV.MATCH: ``la
 of the matched records; KV.MGET: each chunk read through ``KVStore.get_now``, the reference
 read — LRU touch, hits, tier counters, a pin — copied into the reply and its pin released at
 once; keyspace hits and misses), it leaves to Python: option words (``WITHTIERS``,
-``PREFETCH``), an invalid namespace or hash, more hashes than ``max-chain-chunks`` (or than
+``PREFETCH``) and a last hash one edit from one (the handler warns about it), an invalid
+namespace or hash, more hashes than ``max-chain-chunks`` (or than
 1,024), a chunk with a TTL, a short match that a shared tier (s3) could extend, and for
 KV.MGET a shared tier, a GPU tier above DRAM, a chunk moving or not in DRAM, and 64 KiB or
 more of payload (zero-copy from the arena instead). Nothing is bound while ``trace-file`` is
