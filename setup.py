@@ -14,7 +14,7 @@ setup(
         Extension(
             "kvstrata.server._fastpath",
             sources=["kvstrata/server/_fastpath.c"],
-            depends=["kvstrata/server/_fastpath_scan.h"],
+            depends=["kvstrata/server/_fastpath_scan.h", "kvstrata/server/_fastpath_kv.h"],
             optional=True,
             extra_compile_args=["-O2"],
         ),

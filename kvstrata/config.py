@@ -334,8 +334,9 @@ OPTIONS: tuple[Option, ...] = (
          "Microseconds above which a command is logged (-1 disables).", mutable=True),
     _opt("slowlog-max-len", 128, _int(0, 10**6), "Slow log entries kept.", mutable=True),
     _opt("fast-path", True, _bool,
-         "Run PING, ECHO, GET, SET key value and EXISTS on the compiled small-command path when "
-         "it is built (no: every command on the Python path; same replies, more CPU).",
+         "Run PING, ECHO, GET, SET key value, EXISTS, and KV.MATCH / KV.MGET of chunks the "
+         "index holds, on the compiled small-command path when it is built (no: every command "
+         "on the Python path; same replies, more CPU).",
          mutable=True, fmt=_yes_no),
     _opt("metrics-port", 0, _int(0, 65535, "PORT"),
          "Port of the Prometheus /metrics endpoint, on the first bind address (0 = off; needs "

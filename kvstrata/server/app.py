@@ -154,6 +154,7 @@ class Server:
         arena goes on warming in the background)."""
         self.store = await _build_store(self.config, self.keyspace, self.events)
         self.strings.kv = self.store  # large plain values live in its tiers
+        fastpath.bind_store(self)  # KV.MATCH / KV.MGET on the compiled path
         self.loading = False
         self._ready.set()
 
