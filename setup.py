@@ -1,5 +1,6 @@
-"""Builds the optional C extensions (the request scanner, the small-command path, the client's
-fused copy and checksum); kvstrata falls back to pure Python without them."""
+"""Builds the optional C extensions (the request scanner, the small-command path, the rANS
+coder of the lossless codecs, the client's fused copy and checksum); kvstrata falls back to
+pure Python (or zstd) without them."""
 
 import platform
 
@@ -26,9 +27,15 @@ setup(
         Extension(
             "kvstrata.server._fastpath",
             sources=["kvstrata/server/_fastpath.c"],
-            depends=["kvstrata/server/_fastpath_scan.h"],
+            depends=["kvstrata/server/_fastpath_scan.h", "kvstrata/server/_fastpath_kv.h"],
             optional=True,
             extra_compile_args=["-O2"],
+        ),
+        Extension(
+            "kvstrata.codecs._rans",
+            sources=["kvstrata/codecs/_rans.c"],
+            optional=True,
+            extra_compile_args=["-O3"],
         ),
         Extension(
             "kvstrata.clients._copysum",

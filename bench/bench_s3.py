@@ -12,6 +12,10 @@ over the same bytes in memory (the ceiling the tag puts on one connection). Requ
 sequential (one in flight) so the figures compare per-request cost; with moto all sides are
 bounded by moto's Python server.
 
+``--codec bf16x`` (or ``int4e``, ``auto``) compares instead the tier without and with
+``s3-codec`` on KV-like payloads (bf16 with per-channel outlier scales, packed as ``KVST``;
+int4 of the same for ``int4e``): MB/s of the chunk's bytes as put, and the bytes stored.
+
 The memory figure: ``--records`` chunk records adopted from a shared tier (index record,
 keyspace entry, LRU entry of ``s3-max-remote-records``), measured with tracemalloc.
 """
@@ -157,6 +161,54 @@ def run(endpoint: str, bucket: str, region: str, sizes: list[int], budget: int) 
               f"{plain / raw:9.2f} {auth / raw:9.2f} {mac:10.1f}")  # fmt: skip
 
 
+def kv_payload(size: int, codec: str) -> bytes:
+    """About ``size`` bytes of KVST payload: bf16 KV with per-channel outlier scales."""
+    import torch
+
+    from kvstrata.clients.layout import pack_chunk
+
+    g = torch.Generator().manual_seed(size)
+    tokens = max(1, size // (2 * 8 * 8 * 128 * 2))
+    scale = torch.exp(1.2 * torch.randn(8, 8, 1, 128, generator=g))
+    kv = [(torch.randn(8, 8, tokens, 128, generator=g) * scale).to(torch.bfloat16)
+          for _ in range(2)]  # fmt: skip
+    return bytes(pack_chunk(list(kv[0]), list(kv[1]), "int4" if codec == "int4e" else "raw"))
+
+
+def run_codec(endpoint: str, bucket: str, region: str, sizes: list[int], budget: int,
+              codec: str) -> None:  # fmt: skip
+    plain = S3Config(bucket=bucket, endpoint=endpoint, region=region, prefix="bench")
+    coded = S3Config(bucket=bucket, endpoint=endpoint, region=region, prefix="bench-coded",
+                     codec=codec)  # fmt: skip
+    rows: list[tuple[int, str, list[float], float]] = []
+    rounds = 5
+
+    async def runs() -> None:
+        tier, tier_coded = S3Tier(plain), S3Tier(coded)
+        try:
+            for size in sizes:
+                data = kv_payload(size * MiB, codec)
+                reps = max(1, budget // size // rounds)
+                peers = [TierPeer(tier, data), TierPeer(tier_coded, data)]
+                saved = tier_coded.stats.extra["coded_bytes_saved"]
+                await peers[1].put()
+                stored = len(data) - (tier_coded.stats.extra["coded_bytes_saved"] - saved)
+                for op in ("put", "get"):
+                    got = await compare(peers, op, reps, rounds)
+                    rows.append((len(data), op, got, len(data) / stored))
+        finally:
+            await tier.close()
+            await tier_coded.close()
+
+    asyncio.run(runs())
+    print(f"endpoint {endpoint}: s3-codec none vs {codec}, sequential requests, median of "
+          f"{rounds} alternating rounds, MB/s of the chunk as put (1e6 B/s)")  # fmt: skip
+    print(f"{'bytes':>10} {'op':>4} {'none':>8} {codec:>8} {'ratio':>6} {'stored x':>9}")
+    for nbytes, op, (raw, with_codec), ratio in rows:
+        print(f"{nbytes:>10} {op:>4} {raw:8.1f} {with_codec:8.1f} {with_codec / raw:6.2f} "
+              f"{ratio:9.3f}")  # fmt: skip
+
+
 def record_memory(count: int) -> None:
     """Bytes of index memory per record of a chunk held only in the shared tier."""
     import tracemalloc
@@ -196,9 +248,18 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="MiB list")
     parser.add_argument("--budget", type=int, default=128, help="MiB moved per size, op and side")
     parser.add_argument("--records", type=int, default=100_000, help="remote records to measure")
+    parser.add_argument("--codec", help="compare s3-codec none with this one (bf16x, int4e…)")
     args = parser.parse_args()
-    record_memory(args.records)
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.codec:
+        from tests.s3fixture import DUMMY_ENV, MotoServer
+
+        os.environ.update(DUMMY_ENV)
+        with MotoServer() as server:
+            run_codec(server.endpoint, server.make_bucket(), args.region, sizes, args.budget,
+                      args.codec)  # fmt: skip
+        return
+    record_memory(args.records)
     if args.endpoint:
         bucket = args.bucket or f"kvstrata-bench-{uuid.uuid4().hex[:8]}"
         if not args.bucket:

@@ -2,12 +2,14 @@
 
 Scenario: two servers, one with the compiled path and one with ``fast-path no``, get the same
 random pipelines — hot commands (GET, SET, EXISTS, PING, ECHO in any case, inline or
-multibulk), commands with options, TTLs (live and already expired), other commands, wrong
+multibulk; KV.MATCH and KV.MGET over a stored chain, whole, cut, with misses, option words and
+bad hashes), commands with options, TTLs (live and already expired), other commands, wrong
 arity, quoted inline commands, HELLO 2/3, large values, maxmemory with ``noeviction`` or
 ``allkeys-lru``, sometimes a malformed frame at the end (the server closes the connection) —
 cut at the same random offsets. Every reply byte and the observable state afterwards (keyspace
 hits and misses, expired and evicted keys, LRU order, used bytes, commands processed, INFO
-commandstats calls/failed/rejected and errorstats) must be identical.
+commandstats calls/failed/rejected and errorstats; per chunk its hits, pins and LRU order, and
+the tiers' counters) must be identical.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ OTHERS = [cmd("DEL", "a"), cmd("EXPIRE", "b", "1000"), cmd("PERSIST", "b"), cmd(
 def one_command(draw: st.DrawFn) -> bytes:
     key = st.sampled_from(KEYS)
     value = st.one_of(st.binary(max_size=40), st.sampled_from([b"", b"x" * 3000, b"\r\n"]))
-    kind = draw(st.integers(0, 15))
+    kind = draw(st.integers(0, 18))
     if kind <= 3:
         return cmd(draw(st.sampled_from(NAMES["GET"])), draw(key))
     if kind <= 6:
@@ -66,10 +68,18 @@ def one_command(draw: st.DrawFn) -> bytes:
         return draw(st.sampled_from([cmd("HELLO", "3"), cmd("HELLO", "2")]))
     if kind == 14:
         return cmd("KV.PUT", "ns", "ab", "", "payload") + cmd("GET", "kv:ns:ab")
+    if kind == 15:  # a chain: ab <- cd <- ef
+        return cmd("KV.PUT", "ns", "cd", "ab", "p2") + cmd("KV.PUT", "ns", "ef", "cd", b"x" * 900)
+    if kind in (16, 17):
+        hashes = draw(st.lists(st.sampled_from(CHAIN_HASHES), min_size=1, max_size=6))
+        name = draw(st.sampled_from(["KV.MATCH", "kv.match", "KV.MGET", "kv.mget"]))
+        return cmd(name, "ns", *hashes)
     return cmd("CONFIG", "SET", "maxmemory-policy",
                draw(st.sampled_from(["noeviction", "allkeys-lru"])))  # fmt: skip
 
 
+#: hashes of the chain (kind 15), a miss, option words, a bad hash
+CHAIN_HASHES = [b"ab", b"cd", b"ef", b"zz", b"WITHTIERS", b"prefetch", b"", b"h" * 65]
 MALFORMED = [b"*1\r\n$x\r\n", b"*2\r\n$3\r\nGET\r\n$1\r\nab\r\n", b"*1\r\n+GET\r\n", b'"\r\n']
 
 
@@ -105,9 +115,19 @@ def exchange(port: int, data: bytes, cuts: list[int], broken: bool) -> bytes:
 
 
 def observable(srv: RunningServer) -> dict[str, Any]:
-    """:func:`state` without the per-connection entries (connections come and go here)."""
+    """:func:`state` without the per-connection entries (connections come and go here), and
+    the KV store's view of the chunks of this example."""
     seen = state(srv)
     del seen["clients"]
+
+    def chunks() -> Any:
+        store = srv.server.store
+        ours = (r for r in store.index if r.alive and r.key.namespace.isdigit())  # not SET's
+        live = sorted(ours, key=lambda r: r.last_access)
+        counters = {n: c.as_dict() for n, c in store.state.counters.items()}
+        return [(r.key.hash, r.hits, r.pins, sorted(r.tiers)) for r in live], counters
+
+    seen["chunks"], seen["tiers"] = srv.call(chunks)
     return seen
 
 

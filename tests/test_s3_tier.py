@@ -209,7 +209,7 @@ def test_foreign_objects_under_our_names(moto_server: MotoServer, s3_bucket: str
     plain, _ = chunk(5, 10)
     newer, data = chunk(6, 10)
     s3.put_object(Bucket=s3_bucket, Key=object_name("kvstrata", plain.key), Body=b"x" * 10)
-    md = {**encode_metadata(newer), "kvs-version": "2"}
+    md = {**encode_metadata(newer), "kvs-version": "3"}  # 2: coded objects
     s3.put_object(Bucket=s3_bucket, Key=object_name("kvstrata", newer.key), Body=data, Metadata=md)
 
     async def body(t: S3Tier) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvstrata import codecs
 from kvstrata.clients.codecs import (
     CODECS_BY_CODE,
     DTYPE_IDS,
@@ -241,7 +242,13 @@ def unpack_into(
     expect: ChunkLayout | None = None,
 ) -> ChunkLayout:
     """Decode a payload into ``keys[l]``/``values[l]`` (``[H, T, D]`` views, e.g. slices of a
-    preallocated cache). ``expect`` (when given) must equal the payload's layout."""
+    preallocated cache). ``expect`` (when given) must equal the payload's layout. A payload a
+    client coded with :func:`kvstrata.codecs.encode` (``KVSX``) is decoded first."""
+    if not isinstance(payload, torch.Tensor) and codecs.is_container(payload):
+        try:
+            payload = codecs.decode(payload)
+        except codecs.CodecError as exc:
+            raise LayoutError(f"coded payload: {exc}") from None
     layout, specs, offsets = read_layout(payload)
     if expect is not None and layout != expect:
         raise LayoutError(f"payload layout {layout} is not the expected {expect}")

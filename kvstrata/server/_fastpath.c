@@ -24,8 +24,9 @@
 
 #include "_fastpath_scan.h"
 
-enum { C_PING, C_ECHO, C_GET, C_SET, C_EXISTS, N_CMDS };
-static const char *NAMES[N_CMDS] = {"PING", "ECHO", "GET", "SET", "EXISTS"};
+enum { C_PING, C_ECHO, C_GET, C_SET, C_EXISTS, C_MATCH, C_MGET, N_CMDS };
+static const char *NAMES[N_CMDS] = {"PING", "ECHO", "GET", "SET", "EXISTS", "KV.MATCH",
+                                    "KV.MGET"};
 
 /* ASCII-only case folding, as the registry's bytes.upper(): strncasecmp follows the locale. */
 static int name_is(const Arg *a, const char *name) {
@@ -52,12 +53,31 @@ static int command_of(const Arg *argv, int argc) {
     case 6:
         if (argc >= 2 && name_is(argv, "EXISTS")) return C_EXISTS;
         return -1;
+    case 7:
+        if (argc >= 3 && name_is(argv, "KV.MGET")) return C_MGET;
+        return -1;
+    case 8:
+        if (argc >= 3 && name_is(argv, "KV.MATCH")) return C_MATCH;
+        return -1;
     default:
         return -1;
     }
 }
 
 /* -- the FastPath object ------------------------------------------------------------------ */
+
+/* What KV.MATCH and KV.MGET use (_fastpath_kv.h), bound by FastPath.bind_kv once the store
+ * is built: the store's containers, created once and changed in place, never rebound. */
+typedef struct {
+    PyObject *records;          /* state.index._records (NULL: no store bound) */
+    PyObject *key_type, *rec_type, *store, *not_now, *values;
+    PyObject *dram, *dram_name, *dram_chunks, *tiers;  /* dram: NULL without a DRAM tier */
+    Py_ssize_t key_ns_at, key_hash_at;  /* ChunkKey's slots */
+    Py_ssize_t tiers_at, expire_at, access_at, moving_at, size_at, rkey_at;  /* ChunkRecord's */
+    int raw_key;     /* ChunkKey built without __init__ (exactly its two slots) */
+    int hash_known;  /* hash(ChunkKey(ns, h)) == hash((ns, h)): the dict probe skips __hash__ */
+    int remote;      /* a shared tier: a short chain or a miss asks it (the Python path) */
+} Kv;
 
 typedef struct {
     PyObject_HEAD
@@ -75,6 +95,7 @@ typedef struct {
      * entry_type(b"") gave them at bind time; type_name_at -1: call entry_type(value) */
     Py_ssize_t type_name_at;
     PyObject *expire_default, *type_name_default;
+    Kv kv;
 } FastPath;
 
 static PyObject *s_data, *s_lru, *s_value, *s_expire_at, *s_hits, *s_misses, *s_used, *s_limit,
@@ -112,6 +133,8 @@ static int slot_set(PyObject *entry, Py_ssize_t at, PyObject *name, PyObject *va
     return 0;
 }
 
+static void kv_clear(Kv *kv);  /* _fastpath_kv.h */
+
 static void fp_dealloc(FastPath *self) {
     Py_XDECREF(self->keyspace);
     Py_XDECREF(self->strings);
@@ -124,6 +147,7 @@ static void fp_dealloc(FastPath *self) {
     Py_XDECREF(self->values);
     Py_XDECREF(self->expire_default);
     Py_XDECREF(self->type_name_default);
+    kv_clear(&self->kv);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -407,6 +431,8 @@ static int do_exists(Run *run, const Arg *argv, int argc, Out *o) {
     return out_int(o, found) < 0 ? -1 : 1;
 }
 
+#include "_fastpath_kv.h"
+
 static int execute(FastPath *fp, Run *run, int cmd, const Arg *argv, int argc, Out *o,
                    int resp3) {
     switch (cmd) {
@@ -421,6 +447,10 @@ static int execute(FastPath *fp, Run *run, int cmd, const Arg *argv, int argc, O
         return do_set(fp, run, argv, o);
     case C_EXISTS:
         return do_exists(run, argv, argc, o);
+    case C_MATCH:
+        return do_match(fp, argv, argc, o);
+    case C_MGET:
+        return do_mget(fp, run, argv, argc, o, resp3);
     }
     return 0;
 }
@@ -572,7 +602,8 @@ static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
     Run run;
     memset(&run, 0, sizeof run);
     run.limit = -1;
-    Out o = {NULL, 0, 0};
+    Out o;
+    out_init(&o);
     PyObject *slow_hit = NULL, *result = NULL;
     int last = -1;
     run.data = fp->data;  /* borrowed: the FastPath holds them */
@@ -591,13 +622,15 @@ static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
     result = result_tuple(pos, executed, last, slow_hit);
 fail:
     Py_XDECREF(slow_hit);
-    PyMem_Free(o.buf);
+    out_free(&o);
     PyBuffer_Release(&view);
     return result;
 }
 
 static PyMethodDef fp_methods[] = {
     {"run", (PyCFunction)(void (*)(void))fp_run, METH_FASTCALL, "Execute the leading fast commands of a buffer."},
+    {"bind_kv", (PyCFunction)fp_bind_kv, METH_VARARGS, "Bind the KV store's structures (records None: unbind)."},
+    {"kv_info", (PyCFunction)fp_kv_info, METH_NOARGS, "(bound, raw_key, hash_known, remote)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -640,6 +673,10 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     INTERN(s_values, "values");
     INTERN(s_maxmemory, "maxmemory");
     INTERN(s_dram_capacity, "dram-capacity");
+    INTERN(s_get_now, "get_now");
+    INTERN(s_view, "view");
+    INTERN(s_release, "release");
+    INTERN(s_max_chain, "max-chain-chunks");
     for (int c = 0; c < N_CMDS; c++) INTERN(s_names[c], NAMES[c]);
     if (PyType_Ready(&FastPathType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);

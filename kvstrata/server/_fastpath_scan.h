@@ -9,22 +9,37 @@
 #include <strings.h>
 #include <time.h>
 
-#define MAX_ARGV 16   /* more arguments: the Python path */
+#define MAX_ARGV 1026 /* more arguments: the Python path (KV.MATCH/MGET of 1024 hashes) */
 #define MAX_LINE 1024 /* longest inline command / header line looked at */
 
 typedef struct { const char *p; Py_ssize_t n; } Arg;
 
+#define OUT_INLINE 2048 /* replies up to this size need no allocation (an unpipelined read) */
+
 typedef struct {
-    char *buf;
+    char *buf;  /* small: the replies so far, else a PyMem block */
     Py_ssize_t len, cap;
+    char small[OUT_INLINE];
 } Out;
+
+static void out_init(Out *o) {
+    o->buf = o->small;
+    o->len = 0;
+    o->cap = OUT_INLINE;
+}
+
+static void out_free(Out *o) {
+    if (o->buf != o->small) PyMem_Free(o->buf);
+}
 
 static int out_reserve(Out *o, Py_ssize_t more) {
     if (o->len + more <= o->cap) return 0;
-    Py_ssize_t cap = o->cap ? o->cap : 4096;
+    Py_ssize_t cap = o->cap * 2;
     while (cap < o->len + more) cap *= 2;
-    char *b = PyMem_Realloc(o->buf, (size_t)cap);
+    char *b = PyMem_Malloc((size_t)cap);
     if (b == NULL) { PyErr_NoMemory(); return -1; }
+    memcpy(b, o->buf, (size_t)o->len);
+    out_free(o);
     o->buf = b;
     o->cap = cap;
     return 0;

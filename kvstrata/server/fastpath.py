@@ -3,9 +3,11 @@
 ``kvstrata.server._fastpath`` (built by ``setup.py`` when a compiler is present, like the
 request scanner) runs the leading commands of a connection's buffer straight against the
 string store — ``PING``, ``ECHO``, ``GET``, ``SET key value`` (no option) and ``EXISTS`` — and
-appends their replies. It stops at the first command it does not handle and the connection's
-Python path (decoder, ``Connection._execute``, the handlers) takes over from that command; the
-Python path is the reference and the only path without the extension.
+the KV store — ``KV.MATCH`` and ``KV.MGET`` of a chain the index holds (``_fastpath_kv.h``,
+bound by :func:`bind_store` once the store is built) — and appends their replies. It stops
+at the first command it does not handle and the connection's Python path (decoder,
+``Connection._execute``, the handlers) takes over from that command; the Python path is the
+reference and the only path without the extension.
 
 What it honours, with the same side effects as the Python path (tests/test_fastpath.py runs one
 suite through both and compares): replies for RESP2 and RESP3; keyspace hits and misses; the
@@ -15,6 +17,16 @@ and the client's last command. What it leaves to Python, command by command: key
 (expiry), keys of another type (``WRONGTYPE``, large values in the tiers), a write that would go
 over ``maxmemory`` (eviction, ``-OOM``), wrong arity, options, malformed or incomplete input,
 quoted inline commands; a command that raises in C (reported through ``sys.unraisablehook``).
+For the KV commands, with the side effects of ``commands/kv.py`` (KV.MATCH: ``last_access``
+of the matched records; KV.MGET: each chunk read through ``KVStore.get_now``, the reference
+read — LRU touch, hits, tier counters, a pin — copied into the reply and its pin released at
+once; keyspace hits and misses), it leaves to Python: option words (``WITHTIERS``,
+``PREFETCH``) and a last hash one edit from one (the handler warns about it), an invalid
+namespace or hash, more hashes than ``max-chain-chunks`` (or than
+1,024), a chunk with a TTL, a short match that a shared tier (s3) could extend, and for
+KV.MGET a shared tier, a GPU tier above DRAM, a chunk moving or not in DRAM, and 64 KiB or
+more of payload (zero-copy from the arena instead). Nothing is bound while ``trace-file`` is
+set: the recorder sees every KV command through the Python handlers.
 Whole batches go the Python way (:func:`usable`, asked again after every command the Python
 path runs) while a client is not authenticated, the server is loading, a ``MONITOR`` is
 attached, or the latency histograms of the metrics endpoint are on.
@@ -28,14 +40,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.server.cmdstats import CommandStat
+from kvstrata.store.index import ChunkRecord
+from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import StringEntry
+from kvstrata.store.kvstore_state import NOT_NOW
 from kvstrata.store.strings import ENTRY_OVERHEAD, LARGE_VALUE
 
 if TYPE_CHECKING:
     from kvstrata.server.app import Server
 
 #: the registry names of the commands the C path runs, in its index order (``last`` of a run)
-NAMES = ("PING", "ECHO", "GET", "SET", "EXISTS")
+NAMES = ("PING", "ECHO", "GET", "SET", "EXISTS", "KV.MATCH", "KV.MGET")
 #: reply bytes one run produces at most before the connection flushes (a GET of a 60 KiB value
 #: costs 20 bytes of input: the output of a buffered batch is bounded here, not by the input)
 MAX_OUT = 256 * 1024
@@ -63,6 +78,24 @@ def bind(server: Server) -> Any:
     return _ext.FastPath(
         server.keyspace, server.strings, server.cmdstats, StringEntry, CommandStat, LARGE_VALUE,
         ENTRY_OVERHEAD,
+    )  # fmt: skip
+
+
+def bind_store(server: Server) -> None:
+    """Give the compiled path the KV store's structures once it is built (``Server.load``), so
+    that it runs ``KV.MATCH`` and ``KV.MGET`` too; not while commands are traced
+    (``trace-file``: the recorder sees every KV command through the Python handlers)."""
+    fast = server.fastpath
+    store = server.store
+    tracing = server.tracer is not None or server.config.values.get("trace-file")
+    if fast is None or store is None or tracing:
+        return
+    state = store.state
+    dram = state.dram
+    fast.bind_kv(
+        state.index._records, ChunkKey, ChunkRecord, store, NOT_NOW, dram,
+        None if dram is None else dram._chunks, state.tiers, state.remote is not None,
+        server.config.values,
     )  # fmt: skip
 
 

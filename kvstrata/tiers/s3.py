@@ -95,7 +95,7 @@ class S3Tier(Tier):
         self._client, transfer = connect(config, self._concurrency)
         auth = ObjectAuth(config.auth_key) if config.auth_key else None
         self._req = S3Requests(
-            self._client, config.bucket, transfer, config.multipart_threshold, auth
+            self._client, config.bucket, transfer, config.multipart_threshold, auth, config.codec
         )
         self._negative = NegativeCache(config.negative_ttl)
         self._breaker = Breaker(config.retry_after)
@@ -105,7 +105,8 @@ class S3Tier(Tier):
         self._logged = 0.0
         self.stats.extra.update(
             negative_hits=0, multipart_puts=0, invalid_objects=0, auth_failures=0,
-            kept_objects=0, sessions_written=0, sessions_read=0,
+            kept_objects=0, sessions_written=0, sessions_read=0, coded_puts=0,
+            coded_bytes_saved=0,
         )  # fmt: skip
         self._check_bucket()
 
@@ -151,12 +152,15 @@ class S3Tier(Tier):
         if nbytes >= self.config.multipart_threshold:
             self.stats.extra["multipart_puts"] += 1
         try:
-            await self._call("put", self._req.put, name, meta, data)
+            stored = await self._call("put", self._req.put, name, meta, data)
         finally:
             self._negative.wrote(meta.key)  # a HEAD that raced the upload must not cache a miss
         self.stats.seconds_in += time.perf_counter() - started
         self.stats.puts += 1
         self.stats.bytes_in += meta.size
+        if stored < meta.size:
+            self.stats.extra["coded_puts"] += 1
+            self.stats.extra["coded_bytes_saved"] += meta.size - stored
         self._remember(meta.key, meta.size)
 
     async def get(self, key: ChunkKey, out: memoryview) -> ChunkMeta:
@@ -298,6 +302,7 @@ class S3Tier(Tier):
             "breaker_trips": self._breaker.trips,
             "breaker_rejections": self._breaker.rejected,
             "format_version": FORMAT_VERSION,
+            "codec": cfg.codec,
             "auth": "on" if self._req.auth is not None else "off",
             **{k: self.stats.extra[k] for k in _SHOWN},
         }

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.codecs.tier import TIER_CODECS
 from kvstrata.tiers.base import TierUnavailable
 
 MiB = 1024 * 1024
@@ -31,6 +32,8 @@ class S3Config:
     write_policy: str = "write-back"  # kept for INFO; the store applies it
     negative_ttl: float = 1.5  # seconds a miss is remembered (0 disables)
     retry_after: float = 1.0  # seconds the breaker fails fast after an endpoint failure
+    #: s3-codec: lossless codec applied to chunks as they are uploaded (kvstrata.codecs.tier)
+    codec: str = "none"
     #: s3-auth-key: objects are tagged and checked with it (empty: no tags); never shown
     auth_key: bytes = field(default=b"", repr=False)
 
@@ -41,6 +44,8 @@ class S3Config:
             raise TierUnavailable("s3: max_connections ≥ 1, timeout > 0, retries ≥ 0")
         if self.multipart_chunksize < _MIN_PART:
             raise TierUnavailable(f"s3: multipart_chunksize must be ≥ {_MIN_PART} bytes")
+        if self.codec not in TIER_CODECS:
+            raise TierUnavailable(f"s3-codec must be one of {', '.join(TIER_CODECS)}")
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> S3Config:
@@ -53,6 +58,7 @@ class S3Config:
             "write_policy": cfg.get("s3-write-policy"),
             "max_connections": cfg.get("s3-max-connections"),
             "timeout": float(cfg.get("s3-timeout")),
+            "codec": cfg.get("s3-codec"),
             "auth_key": str(cfg.get("s3-auth-key")).encode(),
         }
         values.update(overrides)

@@ -4,7 +4,11 @@ Object names are ``{prefix}/{namespace}/{first two hex of hash}/{hex hash}``; th
 escaped (``%`` → ``%25``, ``/`` → ``%2F``, and ``.`` in a namespace made only of dots) so it is one
 path segment. User metadata (``x-amz-meta-kvs-*``) carries the parent hash, tokens, codec,
 xxh3-128 checksum, size and a format version; a reader of another format version sees a miss
-and leaves the object alone. No I/O here: :mod:`kvstrata.tiers.s3` does the requests.
+and leaves the object alone. An object coded by the tier (``s3-codec``) is of format version
+2 and also carries ``kvs-encoding`` (the codec of :mod:`kvstrata.codecs`) and
+``kvs-stored-size`` (its length); ``kvs-size`` and ``kvs-checksum`` stay those of the chunk as
+it was put, checked after decoding, and with ``s3-auth-key`` the encoding is under both tags.
+No I/O here: :mod:`kvstrata.tiers.s3` does the requests.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
+from kvstrata.codecs.container import CODECS as CODED_FORMATS
 from kvstrata.protocol.errors import CommandError
 from kvstrata.store.keys import (
     ChunkKey,
@@ -27,6 +32,8 @@ from kvstrata.tiers.checksum import CHECKSUM_BYTES
 from kvstrata.tiers.s3_auth import TAG_BYTES, ObjectAuth
 
 FORMAT_VERSION = "1"
+CODED_VERSION = "2"  # an object the tier coded (kvs-encoding); version 1 readers skip it
+_M_ENCODING, _M_STORED = "kvs-encoding", "kvs-stored-size"
 _M_VERSION, _M_PARENT, _M_TOKENS = "kvs-version", "kvs-parent", "kvs-tokens"
 _M_CODEC, _M_CHECKSUM, _M_SIZE = "kvs-codec", "kvs-checksum", "kvs-size"
 _M_TAG, _M_META_TAG, _M_KIND = "kvs-tag", "kvs-meta-tag", "kvs-kind"
@@ -63,22 +70,40 @@ def parse_object_name(prefix: str, name: str) -> ChunkKey | None:
     return key if 1 <= len(key.hash) <= 64 and object_name(prefix, key) == name else None
 
 
+def mac_version(encoding: str | None) -> str:
+    """The version field the tags cover: ``1``, or ``2:{encoding}`` for a coded object."""
+    return FORMAT_VERSION if encoding is None else f"{CODED_VERSION}:{encoding}"
+
+
 def encode_metadata(
-    meta: ChunkMeta, tag: bytes | None = None, auth: ObjectAuth | None = None
+    meta: ChunkMeta,
+    tag: bytes | None = None,
+    auth: ObjectAuth | None = None,
+    encoding: str | None = None,
+    stored: int = 0,
 ) -> dict[str, str]:
-    """User metadata of a chunk object; with ``auth``, ``tag`` is its payload tag."""
+    """User metadata of a chunk object; with ``auth``, ``tag`` is its payload tag. A coded
+    object (``encoding``) has ``stored`` bytes."""
     md = {
-        _M_VERSION: FORMAT_VERSION,
+        _M_VERSION: FORMAT_VERSION if encoding is None else CODED_VERSION,
         _M_PARENT: meta.parent.hex(),
         _M_TOKENS: str(meta.tokens),
         _M_CODEC: quote(meta.codec, safe=""),
         _M_CHECKSUM: meta.checksum.hex(),
         _M_SIZE: str(meta.size),
     }
+    if encoding is not None:
+        md[_M_ENCODING], md[_M_STORED] = encoding, str(stored)
     if auth is not None and tag is not None:
         md[_M_TAG] = tag.hex()
-        md[_M_META_TAG] = auth.meta_tag(FORMAT_VERSION, meta, tag).hex()
+        md[_M_META_TAG] = auth.meta_tag(mac_version(encoding), meta, tag).hex()
     return md
+
+
+def object_encoding(md: Mapping[str, str]) -> str | None:
+    """The codec of a coded object (None: stored as put); call after :func:`decode_metadata`
+    accepted ``md``."""
+    return md[_M_ENCODING] if md.get(_M_VERSION) == CODED_VERSION else None
 
 
 class CorruptObject(Exception):
@@ -100,18 +125,23 @@ def decode_metadata(key: ChunkKey, md: Mapping[str, str], length: int) -> ChunkM
     version = md.get(_M_VERSION)
     if version is None:
         raise InvalidObject("no kvstrata metadata")
-    if version != FORMAT_VERSION:
+    if version not in (FORMAT_VERSION, CODED_VERSION):
         return None
     try:
         size, tokens = _decimal(md[_M_SIZE]), _decimal(md[_M_TOKENS])
+        stored = size if version == FORMAT_VERSION else _decimal(md[_M_STORED])
+        if version == CODED_VERSION and md[_M_ENCODING] not in CODED_FORMATS:
+            raise ValueError(f"unknown kvs-encoding {md[_M_ENCODING][:24]!r}")
         parent, digest = bytes.fromhex(md[_M_PARENT]), bytes.fromhex(md[_M_CHECKSUM])
         codec = unquote(md[_M_CODEC], errors="strict")
     except (KeyError, ValueError) as exc:
         raise InvalidObject(f"bad metadata: {exc!r}") from None
     if len(digest) != CHECKSUM_BYTES:
         raise InvalidObject(f"checksum of {len(digest)} bytes")
-    if size != length:
-        raise InvalidObject(f"metadata says {size} bytes, object has {length}")
+    if stored != length:
+        raise InvalidObject(f"metadata says {stored} bytes, object has {length}")
+    if version == CODED_VERSION and not 0 < stored < size:
+        raise InvalidObject(f"coded object of {stored} bytes for a chunk of {size}")
     try:
         return validate_meta(ChunkMeta(key, parent, tokens, size, digest, codec))
     except CommandError as exc:
@@ -132,7 +162,8 @@ def payload_tag(md: Mapping[str, str], meta: ChunkMeta, auth: ObjectAuth) -> byt
         tag, meta_tag = bytes.fromhex(md[_M_TAG]), bytes.fromhex(md[_M_META_TAG])
     except (KeyError, ValueError):
         raise AuthFailure("no valid tags") from None
-    if len(tag) != TAG_BYTES or not auth.same(meta_tag, auth.meta_tag(FORMAT_VERSION, meta, tag)):
+    want = auth.meta_tag(mac_version(object_encoding(md)), meta, tag)
+    if len(tag) != TAG_BYTES or not auth.same(meta_tag, want):
         raise AuthFailure("metadata tag does not verify")
     return tag
 

@@ -10,6 +10,11 @@ object's own metadata*, never by what a node believed about it before:
   its ETag, which S3, MinIO and moto honour); a store that refuses the condition gets a plain
   delete, a store that answers 412 (the object was replaced meanwhile) keeps the new object.
 
+With ``s3-codec`` set, :meth:`S3Requests.put` stores what
+:func:`kvstrata.codecs.tier.encode_for_tier` makes of the payload (when it gains) and
+:meth:`S3Requests.get` decodes it into the caller's buffer, then checks the chunk's own
+checksum over the decoded bytes.
+
 Raised here: ``InvalidObject``/``AuthFailure``/``CorruptObject`` (``s3_objects``),
 ``ObjectChanged`` and botocore errors (translated by the tier).
 """
@@ -21,12 +26,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.codecs import CodecError, decode_into
+from kvstrata.codecs.tier import encode_for_tier
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers.base import Buffer, ObjectChanged, TierIOError
 from kvstrata.tiers.checksum import checksum
 from kvstrata.tiers.s3_auth import ObjectAuth
 from kvstrata.tiers.s3_objects import (
-    FORMAT_VERSION,
     MAX_SESSION_BODY,
     AuthFailure,
     CorruptObject,
@@ -37,6 +43,8 @@ from kvstrata.tiers.s3_objects import (
     decode_session,
     encode_metadata,
     encode_session,
+    mac_version,
+    object_encoding,
     payload_tag,
     session_metadata,
 )
@@ -66,8 +74,9 @@ class S3Requests:
     """Blocking requests against one bucket; ``auth`` signs and checks objects when set."""
 
     def __init__(self, client: Any, bucket: str, transfer: Any, multipart_threshold: int,
-                 auth: ObjectAuth | None) -> None:  # fmt: skip
+                 auth: ObjectAuth | None, codec: str = "none") -> None:  # fmt: skip
         self.client = client
+        self.codec = codec  # s3-codec
         self.bucket = bucket
         self.transfer = transfer
         self.multipart_threshold = multipart_threshold
@@ -89,10 +98,18 @@ class S3Requests:
         meta = self.judge(key, resp.get("Metadata", {}), int(resp["ContentLength"]))
         return Head(meta, str(resp.get("ETag", "")))
 
-    def put(self, name: str, meta: ChunkMeta, data: Buffer) -> None:
-        tag = None if self.auth is None else self.auth.payload_tag(FORMAT_VERSION, meta, data)
-        metadata = encode_metadata(meta, tag, self.auth)
-        if memoryview(data).nbytes >= self.multipart_threshold:
+    def put(self, name: str, meta: ChunkMeta, data: Buffer) -> int:
+        """Upload one chunk; returns the bytes stored (less than ``meta.size`` when coded)."""
+        coded = None if self.codec == "none" else encode_for_tier(data, self.codec)
+        encoding = None if coded is None else coded[0]
+        if coded is not None:
+            data = coded[1]
+        stored = memoryview(data).nbytes
+        tag = None
+        if self.auth is not None:
+            tag = self.auth.payload_tag(mac_version(encoding), meta, data)
+        metadata = encode_metadata(meta, tag, self.auth, encoding, stored)
+        if stored >= self.multipart_threshold:
             self.client.upload_fileobj(
                 io.BytesIO(data), self.bucket, name, ExtraArgs={"Metadata": metadata},
                 Config=self.transfer,
@@ -100,6 +117,7 @@ class S3Requests:
         else:
             body = data if isinstance(data, bytes | bytearray) else bytes(data)  # boto3: no views
             self.client.put_object(Bucket=self.bucket, Key=name, Body=body, Metadata=metadata)
+        return stored
 
     def get(self, key: ChunkKey, name: str, out: memoryview) -> Head:
         """Read the object into ``out`` and verify it against its own metadata (checksum, and
@@ -114,12 +132,16 @@ class S3Requests:
             if meta is None:
                 return Head(None, etag)
             dst = memoryview(out).cast("B")
-            if dst.nbytes < length:
-                raise ObjectChanged(meta, f"s3 object of {length} bytes, expected {dst.nbytes}")
+            if dst.nbytes < meta.size:
+                raise ObjectChanged(meta, f"s3 chunk of {meta.size} bytes, expected {dst.nbytes}")
+            encoding = object_encoding(md)
             mac, expected = None, b""
             if self.auth is not None:
                 expected = payload_tag(md, meta, self.auth)
-                mac = self.auth.payload_mac(FORMAT_VERSION, meta)
+                mac = self.auth.payload_mac(mac_version(encoding), meta)
+            coded = None if encoding is None else memoryview(bytearray(length))
+            if coded is not None:
+                dst, chunk = coded, dst  # read the coded bytes aside, decode into the buffer
             filled = 0
             while filled < length:
                 step = dst[filled : min(length, filled + _READ_STEP)]
@@ -131,6 +153,15 @@ class S3Requests:
                 filled += n
             if mac is not None and not ObjectAuth.same(mac.digest(), expected):
                 raise AuthFailure("payload tag does not verify")
+            if coded is not None:
+                dst = chunk
+                try:
+                    head = decode_into(coded, dst[: meta.size])
+                except CodecError as exc:
+                    raise CorruptObject(f"{encoding}: {exc}", etag) from None
+                if head.codec != encoding:
+                    raise CorruptObject(f"coded as {head.codec}, metadata says {encoding}", etag)
+                length = meta.size
             digest = checksum(dst[:length])
             if digest != meta.checksum:
                 why = f"checksum {digest.hex()} != stored {meta.checksum.hex()}"
