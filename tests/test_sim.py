@@ -203,8 +203,9 @@ def test_cli_usage_errors(
 
 
 def test_server_records_trace_without_payloads(make_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """serve --trace-file: one line per KV.PUT/GET/MGET hash/MATCH/LEASE/SESSION/PREFETCH with
-    sizes and hashes only; replaying it reproduces the hit the server counted."""
+    """serve --trace-file: one line per KV.PUT/GET/MGET hash/MATCH/LEASE (and its release)/
+    SESSION/PREFETCH (KV.MATCH PREFETCH's too; a session's with its chain resolved) with sizes
+    and hashes only; replaying it reproduces the hit the server counted."""
     import redis
 
     path = tmp_path / "trace.jsonl"
@@ -225,10 +226,16 @@ def test_server_records_trace_without_payloads(make_server, tmp_path: Path) -> N
     text = path.read_text()
     assert "SECRET" not in text and payload.hex()[:32] not in text
     ops = [json.loads(line)["op"] for line in text.splitlines()]
-    assert ops == ["put", "match", "get", "get", "get", "lease", "session", "prefetch", "prefetch"]
+    assert ops == [
+        "put", "match", "prefetch", "get", "get", "get", "lease", "release", "session",
+        "prefetch", "prefetch",
+    ]  # fmt: skip
     events = list(read_trace(path))
-    assert events[0].size == len(payload) and events[0].tokens == 256 and events[1].prefetch
-    assert events[6].session == b"u1" and events[8].to == "dram"
+    assert events[0].size == len(payload) and events[0].tokens == 256
+    assert events[2].hashes == (b"\x01",)  # MATCH PREFETCH: the found prefix
+    assert events[6].lease and events[7].lease == events[6].lease
+    assert events[8].session == b"u1" and events[9].hashes == (b"\x01",)  # the session's chain
+    assert events[10].to == "dram"
     sim = _sim(dram=64 << 20)
     from kvstrata.sim.replay import replay
 

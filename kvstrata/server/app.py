@@ -140,6 +140,7 @@ class Server:
     async def load(self) -> None:
         """Build the store (pre-touch, index rebuild); then commands are no longer refused."""
         self.store = await _build_store(self.config, self.keyspace)
+        self.store.state.tracer = self.tracer  # the store records what changes placement
         self.strings.kv = self.store  # large plain values live in its tiers
         self.loading = False
         self._ready.set()
