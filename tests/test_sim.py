@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,55 @@ def test_cli_sweep_table_and_progress(capsys: pytest.CaptureFixture[str]) -> Non
     hit = [float(r.split()[1]) for r in rows[1:]]
     assert hit == sorted(hit)  # more DRAM never caches fewer tokens here
     assert "sweep 3/3" in err
+
+
+SWEEP = ["simulate", "--set", "duration=20", "--nvme", "32GiB", "--model", "llama-3-8b",
+         "--sweep", "dram=1GiB..2GiB"]  # fmt: skip
+
+
+def test_cli_plot_without_matplotlib_still_prints_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--plot where matplotlib is not installed: said before the sweep runs (not after it),
+    the table is printed anyway, no PNG, exit status 1."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails, find_spec says None
+    png = tmp_path / "sweep.png"
+    assert cli_main([*SWEEP, "--plot", str(png)]) == 1
+    out, err = capsys.readouterr()
+    assert "needs matplotlib" in err and err.index("needs matplotlib") < err.index("sweep 1/2")
+    assert "dram size" in out and len(out.strip().splitlines()) == 3
+    assert not png.exists() and "Traceback" not in err
+
+
+def test_cli_plot_writes_a_titled_png_and_says_where(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    titles: list[str] = []
+    real = Figure.savefig
+
+    def spy(fig: Figure, *args: object, **kw: object) -> None:
+        titles.append(fig.get_suptitle())
+        titles.extend(f"{a.get_xlabel()}|{a.get_ylabel()}" for a in fig.axes)
+        real(fig, *args, **kw)  # type: ignore[arg-type]
+
+    png = tmp_path / "sweep.png"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Figure, "savefig", spy)
+        assert cli_main([*SWEEP, "--plot", str(png)]) == 0
+    out, err = capsys.readouterr()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {png.resolve()}" in err and "dram size" in out
+    assert "dram size sweep" in titles[0]
+    assert "dram size (GiB)|hit ratio (%)" in titles and any("(ms)" in t for t in titles)
+
+
+def test_cli_plot_needs_a_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["simulate", "--set", "duration=1", "--dram", "1GiB", "--nvme", "1GiB",
+                     "--plot", "x.png"]) == 2  # fmt: skip
+    assert "--plot draws a sweep" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
