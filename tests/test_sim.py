@@ -228,6 +228,22 @@ def test_cli_plot_writes_a_titled_png_and_says_where(
     assert "dram size (GiB)|hit ratio (%)" in titles and any("(ms)" in t for t in titles)
 
 
+def test_cli_hardware_local_measures_this_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--hardware local:DIR measures compute, memory copies and a file in DIR, and the run's
+    economics use those figures (the report names them); a bad spec is a usage error."""
+    argv = ["simulate", "--set", "duration=10", "--dram", "1GiB", "--nvme", "4GiB",
+            "--model", "llama-3-8b", "--json", "--hardware", f"local:{tmp_path}"]  # fmt: skip
+    assert cli_main(argv) == 0
+    out, err = capsys.readouterr()
+    rep = json.loads(out)
+    assert rep["hardware"].startswith("local(") and "GFLOP/s" in err and "nvme" in err
+    assert not list(tmp_path.iterdir())  # the calibration file is gone
+    assert cli_main([*argv[:-1], "gpu9000"]) == 2
+    assert "invalid --hardware" in capsys.readouterr().err
+
+
 def test_cli_plot_needs_a_sweep(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["simulate", "--set", "duration=1", "--dram", "1GiB", "--nvme", "1GiB",
                      "--plot", "x.png"]) == 2  # fmt: skip

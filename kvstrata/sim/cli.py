@@ -64,6 +64,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-type", default="h100", choices=("h100", "h200"))
     p.add_argument("--nvme-drives", default="1xgen5", choices=("1xgen5", "4xgen5"))
     p.add_argument("--network", default="100g", choices=("100g", "200g", "400g"))
+    p.add_argument(
+        "--hardware",
+        metavar="local[:DIR]",
+        help="measure this machine (about a second: CPU matmul rate, memory copies, a file "
+        "in DIR, default the temp folder) instead of the --gpu-type/--nvme-drives/--network "
+        "presets",
+    )
     p.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation of prefill")
     p.add_argument(
         "--chunk-tokens",
@@ -135,7 +142,7 @@ def _plan(args: argparse.Namespace, **sizes: int | None) -> Plan:
     gpu = sizes.get("gpu", _size(args.gpu, "--gpu"))
     if dram is None or nvme is None:
         raise UsageError("--dram SIZE and --nvme SIZE are required (or swept)")
-    hw = hardware(args.gpu_type, args.nvme_drives, args.network)
+    hw = args.measured or hardware(args.gpu_type, args.nvme_drives, args.network)
     return Plan(
         dram or None,
         nvme or None,
@@ -146,6 +153,23 @@ def _plan(args: argparse.Namespace, **sizes: int | None) -> Plan:
         args.mfu,
         args.chunk_tokens,
     )
+
+
+def _measure(spec: str) -> Any:
+    """``--hardware local[:DIR]``: this machine, measured (``kvstrata.sim.calibrate``)."""
+    kind, _, folder = spec.partition(":")
+    if kind != "local":
+        raise UsageError(f"invalid --hardware {spec!r}: local or local:DIR")
+    if folder and not Path(folder).is_dir():
+        raise UsageError(f"invalid --hardware {spec!r}: {folder} is not a folder")
+    from kvstrata.sim.calibrate import local_hardware
+
+    hw = local_hardware(folder or None)
+    links = ", ".join(
+        f"{t} {bw / 1e9:.1f} GB/s {lat * 1e6:.0f} us" for t, (bw, lat) in hw.links.items()
+    )
+    print(f"measured {hw.name}: {hw.peak_flops / 1e9:.1f} GFLOP/s; {links}", file=sys.stderr)
+    return hw
 
 
 def _pct(ratio: float | None, width: int) -> str:
@@ -235,9 +259,7 @@ def plot(tier: str, rows: list[tuple[int, dict[str, Any]]], path: str) -> Path:
     xs = [s / 2**30 for s, _ in rows]
     first = rows[0][1]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    fig.suptitle(
-        f"kvstrata simulate: {tier} size sweep, {first['model']} on {first['hardware']}"
-    )
+    fig.suptitle(f"kvstrata simulate: {tier} size sweep, {first['model']} on {first['hardware']}")
     a.plot(xs, [100 * r["token_hit_ratio"] for _, r in rows], "o-", label="tokens from cache")
     for name in first["tiers"]:
         ys = [r["tiers"][name]["hit_ratio"] for _, r in rows]
@@ -266,6 +288,7 @@ def main(argv: list[str]) -> int:
         problem = plot_problem(args.plot) if args.plot else None
         if problem:
             print(f"kvstrata simulate: {problem}", file=sys.stderr)
+        args.measured = _measure(args.hardware) if args.hardware else None
         events, wl = _inputs(args)
         if args.sweep:
             tier = parse_sweep(args.sweep)[0]

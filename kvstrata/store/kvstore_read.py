@@ -98,7 +98,8 @@ class ReadPath:
                 return NOT_NOW
             for tier in state.tiers:
                 state.counters[tier.name].misses += 1
-            state.trace("get", ns, [hash])
+            if state.tracer is not None:  # (the hot path builds nothing when not tracing)
+                state.trace("get", ns, (hash,))
             return None
         if rec.moving or dram.name not in rec.tiers:
             return NOT_NOW
@@ -112,13 +113,15 @@ class ReadPath:
         counters = state.counters[dram.name]
         counters.hits += 1
         counters.bytes_out += rec.size
-        state.trace("get", ns, [hash])
+        if state.tracer is not None:
+            state.trace("get", ns, (hash,))
         return Payload(view, self._unpinner(rec))
 
     async def get(self, ns: str, hash: bytes) -> Payload | None:
         """KV.GET (and each chunk of KV.MGET) that may need tier I/O."""
         payload = await self._get(ns, hash)
-        self.state.trace("get", ns, [hash])  # after the lookup: an expiry it caused comes first
+        if self.state.tracer is not None:  # after the lookup: an expiry it caused comes first
+            self.state.trace("get", ns, (hash,))
         return payload
 
     async def _get(self, ns: str, hash: bytes) -> Payload | None:
