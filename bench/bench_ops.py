@@ -2,11 +2,13 @@
 
 Start-up (per DRAM arena size): seconds from ``Popen`` to the first ``+PONG`` (and the CPU
 seconds the server had used by then: interpreter start and imports, independent of the load of
-the machine) and to the first ``KV.STATS`` that is not ``-LOADING`` (ready), next to
+the machine), to the first ``KV.STATS`` that is not ``-LOADING`` (ready: KV commands served)
+and to ``INFO tiers`` saying ``dram_warming:0`` (warmed: the arena faulted in, in the
+background since ready; a checkout without that field counts as warmed when ready), next to
 redis-server's time to ``+PONG`` (empty dataset) and to pre-touching a fresh shared-memory
 segment of the same size with numpy in this process (the floor of kvstrata's preparation).
-``--compare CHECKOUT`` adds the time to ``+PONG`` of another checkout (e.g. before the port
-was bound first).
+``--compare CHECKOUT`` adds the times to ``+PONG`` and to ready of another checkout (e.g.
+before the arena warmed in the background).
 
 Shutdown: a DRAM tier filled with 1 MiB chunks (write-back: they are only in DRAM), then
 ``SHUTDOWN`` (saves them to NVMe) and ``SHUTDOWN NOSAVE``, seconds from the command to the
@@ -75,9 +77,18 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def startup(dram: int, code: str = "") -> tuple[float, float, float]:
-    """(seconds to PONG, CPU seconds the server used until then, seconds to ready) of a
-    kvstrata with a ``dram``-byte arena (the checkout at ``code`` when given)."""
+def _poll_warmed(port: int, deadline: float) -> float:
+    while time.monotonic() < deadline:
+        reply = _ask(port, b"INFO tiers\r\n") or b""
+        if reply.startswith(b"$") and b"dram_warming:1" not in reply:
+            return time.monotonic()
+        time.sleep(0.05)  # INFO costs the server more than KV.STATS: poll less often
+    raise RuntimeError(f"arena on port {port} not warmed")
+
+
+def startup(dram: int, code: str = "") -> tuple[float, float, float, float]:
+    """(seconds to PONG, CPU seconds the server used until then, seconds to ready, seconds to
+    warmed) of a kvstrata with a ``dram``-byte arena (the checkout at ``code`` when given)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": code} if code else None
     with tempfile.TemporaryDirectory() as data:
@@ -90,10 +101,11 @@ def startup(dram: int, code: str = "") -> tuple[float, float, float]:
             cpu = _cpu(proc.pid)
             ready = _poll(port, b"KV.STATS\r\n", b"*", deadline) - started
             ready = max(ready, pong)
+            warmed = max(_poll_warmed(port, deadline) - started, ready)
         finally:
             proc.terminate()
             proc.wait(120)
-    return pong, cpu, ready
+    return pong, cpu, ready, warmed
 
 
 def redis_startup() -> float:
@@ -204,17 +216,26 @@ def main() -> None:
         default="",
         help="also time the start-up of kvstrata from another checkout (PYTHONPATH)",
     )
+    p.add_argument(
+        "--code",
+        metavar="CHECKOUT",
+        default="",
+        help="time the start-up of this checkout (PYTHONPATH) instead of the installed kvstrata",
+    )
     p.add_argument("--no-shutdown", action="store_true", help="start-up only")
     args = p.parse_args()
     print("start-up (seconds from exec)")
-    other = f"{'CHECKOUT PONG':>14}" if args.compare else ""
-    print(f"{'arena':>8} {'kvstrata PONG':>14} {'(CPU s)':>8} {'kvstrata ready':>15} {other}"
-          f"{'redis PONG':>11} {'numpy pre-touch':>16}")  # fmt: skip
+    other = f"{'CHECKOUT PONG':>14} {'CHECKOUT ready':>15} " if args.compare else ""
+    print(f"{'arena':>8} {'kvstrata PONG':>14} {'(CPU s)':>8} {'kvstrata ready':>15} "
+          f"{'warmed':>8} {other}{'redis PONG':>11} {'numpy pre-touch':>16}")  # fmt: skip
     for gib in (float(s) for s in args.sizes.split(",")):
         size = int(gib * GiB)
-        pong, cpu, ready = startup(size)
-        then = f"{startup(size, args.compare)[0]:>14.3f}" if args.compare else ""
-        print(f"{gib:>6g}Gi {pong:>14.3f} {cpu:>8.2f} {ready:>15.3f} {then}"
+        pong, cpu, ready, warmed = startup(size, args.code)
+        then = ""
+        if args.compare:
+            other_pong, _, other_ready, _ = startup(size, args.compare)
+            then = f"{other_pong:>14.3f} {other_ready:>15.3f} "
+        print(f"{gib:>6g}Gi {pong:>14.3f} {cpu:>8.2f} {ready:>15.3f} {warmed:>8.3f} {then}"
               f"{redis_startup():>11.3f} {pretouch_floor(size):>16.3f}", flush=True)  # fmt: skip
     if args.no_shutdown:
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import logging
 import os
 import sys
@@ -14,13 +15,13 @@ from pathlib import Path
 from kvstrata import __version__
 from kvstrata.config import (
     LOG_LEVELS,
-    METAVARS,
     OPTIONS,
     Config,
     ConfigError,
-    Option,
     format_size,
+    grouped_options,
     load_config,
+    metavar,
 )
 
 
@@ -32,16 +33,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser(
         "serve", help="run the server (DRAM + NVMe under --data-dir)",
+        usage="kvstrata serve [--config FILE] [--option value ...]  (kvstrata serve --help)",
         description="Run the server. Every option can also be set with its KVSTRATA_* "
-        "environment variable or a key of the --config file; flags win.",
+        "environment variable or a key of the --config file; flags win. Sizes take B, KiB, "
+        "MiB, GiB, TiB or KB, MB, GB (a bare number is bytes); MS, SECONDS and MICROS are "
+        "milliseconds, seconds and microseconds. docs/configuration.md lists the same keys.",
     )  # fmt: skip
     serve.add_argument("--config", metavar="FILE", help="TOML config file (env KVSTRATA_CONFIG)")
-    for opt in OPTIONS:
-        default = opt.fmt(opt.default) if opt.default != "" else "empty"
-        serve.add_argument(
-            f"--{opt.name}", dest=opt.name.replace("-", "_"), metavar=_metavar(opt), default=None,
-            help=f"{opt.doc} (default: {default}; env {opt.env})".replace("%", "%%"),
-        )  # fmt: skip
+    for title, options in grouped_options():
+        group = serve.add_argument_group(title)
+        for opt in options:
+            default = opt.fmt(opt.default) if opt.default != "" else "empty"
+            group.add_argument(
+                f"--{opt.name}", dest=opt.name.replace("-", "_"), metavar=metavar(opt),
+                default=None,
+                help=f"{opt.doc} (default: {default}; env {opt.env})".replace("%", "%%"),
+            )  # fmt: skip
     sub.add_parser("version", help="print the version")
     sub.add_parser(
         "demo", help="multi-turn transformers demo against an embedded server (demo --help)"
@@ -52,19 +59,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _metavar(opt: Option) -> str:
-    """What ``--help`` shows for the value: ``{a,b}``, ``SIZE``, ``yes|no``, ``N``…"""
-    choices = getattr(opt.parse, "choices", None)
-    if choices:
-        return "{" + ",".join(choices) + "}"
-    if opt.parse in METAVARS:
-        return METAVARS[opt.parse]
-    if isinstance(opt.default, float):
-        return "SECONDS" if "timeout" in opt.name else "NUMBER"
-    if isinstance(opt.default, int):
-        units = {"timeout": "SECONDS", "ttl": "MS", "slower-than": "MICROS"}
-        return next((u for k, u in units.items() if opt.name.endswith(k)), "N")
-    return "PATH" if any(w in opt.name for w in ("file", "path", "dir")) else "TEXT"
+def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices["serve"]
+
+
+def unknown_option_message(extras: list[str]) -> str:
+    """``unknown option --dram-capcity (did you mean --dram-capacity?)`` for the first
+    argument ``serve`` did not take (difflib's closest flag, when one is close)."""
+    flags = ["--config", *(f"--{o.name}" for o in OPTIONS)]
+    word = next((e for e in extras if e.startswith("-")), extras[0])
+    if not word.startswith("-"):
+        return f"unexpected argument {word!r} (every value follows its --flag)"
+    name = word.split("=", 1)[0]
+    close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+    if not close and not name.startswith("--"):
+        close = difflib.get_close_matches("-" + name, flags, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]}?)" if close else " (see kvstrata serve --help)"
+    return f"unknown option {name}{hint}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         from kvstrata.sim.cli import main as simulate_main
 
         return simulate_main(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras and args.command == "serve":
+        _serve_parser(parser).error(unknown_option_message(extras))
+    if extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if args.command == "version":
         print(f"kvstrata {__version__}")
         return 0
@@ -151,7 +168,7 @@ def _listening_line(server: object) -> str:
     assert isinstance(server, Server)
     return (
         f"kvstrata {__version__} listening on {server.config.bind} port={server.port}; loading "
-        "(pre-touching the DRAM arena, rebuilding the index): commands get -LOADING until ready"
+        "(building the tiers, indexing NVMe): KV commands get -LOADING until ready"
     )
 
 

@@ -9,6 +9,7 @@ from :data:`OPTIONS` (``python -m kvstrata.config``).
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
@@ -71,7 +72,18 @@ def _yes_no(value: Any) -> str:
     return "yes" if value else "no"
 
 
-def _float(lo: float, hi: float) -> Callable[[Any], float]:
+#: what ``serve --help`` shows for the values of each parser (``_choice`` lists its choices);
+#: the factories below add their closures with the unit they were given
+METAVARS: dict[Callable[[Any], Any], str] = {}
+
+
+def _typed(parse: Callable[[Any], Any], metavar: str) -> Any:
+    """Record ``parse``'s metavar (SIZE, MS, SECONDS…) and return it."""
+    METAVARS[parse] = metavar
+    return parse
+
+
+def _float(lo: float, hi: float, unit: str = "NUMBER") -> Callable[[Any], float]:
     def parse(text: Any) -> float:
         _refuse_bool(text, "a number", f"write a number from {lo} to {hi}")
         try:
@@ -82,7 +94,7 @@ def _float(lo: float, hi: float) -> Callable[[Any], float]:
             raise ValueError(f"{value} is out of range [{lo}, {hi}]")
         return value
 
-    return parse
+    return _typed(parse, unit)
 
 
 LOG_LEVELS = {"debug": 10, "verbose": 20, "notice": 20, "warning": 30}
@@ -106,7 +118,9 @@ def _bool(text: str | bool) -> bool:
     raise ValueError(f"{text!r} is not a boolean (yes/no)")
 
 
-def _int(lo: int, hi: int) -> Callable[[Any], int]:
+def _int(lo: int, hi: int, unit: str = "N") -> Callable[[Any], int]:
+    """Integers in ``[lo, hi]``; ``unit`` (N, MS, SECONDS, MICROS, PORT) is the metavar."""
+
     def parse(text: Any) -> int:
         _refuse_bool(text, "an integer", f"write an integer from {lo} to {hi}")
         if isinstance(text, float) and not text.is_integer():  # TOML 2.5, inf, nan
@@ -119,7 +133,7 @@ def _int(lo: int, hi: int) -> Callable[[Any], int]:
             raise ValueError(f"{value} is out of range [{lo}, {hi}]")
         return value
 
-    return parse
+    return _typed(parse, unit)
 
 
 def _ratio(text: Any) -> float:
@@ -147,6 +161,11 @@ def _choice(*choices: str) -> Callable[[Any], str]:
 def _str(text: Any) -> str:
     _refuse_bool(text, "text", 'write it in quotes ("...")')
     return str(text)
+
+
+def _path(text: Any) -> str:
+    """A file or folder name (shown as PATH by ``--help``)."""
+    return _str(text)
 
 
 def _auth_key(text: Any) -> str:
@@ -242,14 +261,15 @@ def _size_at_most(limit: int) -> Callable[[Any], int]:
             raise ValueError(f"must be at most {format_size(limit)}")
         return n
 
-    return parse
+    return _typed(parse, "SIZE")
 
 
 _SIZE = {"fmt": format_size}
 OPTIONS: tuple[Option, ...] = (
     # network and security
     _opt("bind", "127.0.0.1", _bind, "Addresses to listen on, space separated."),
-    _opt("port", 7379, _int(0, 65535), "TCP port (0 picks a free one; the log says which)."),
+    _opt("port", 7379, _int(0, 65535, "PORT"),
+         "TCP port (0 picks a free one; the log says which)."),
     _opt("requirepass", "", _str, "Password for AUTH; empty disables it.", mutable=True,
          secret=True),
     _opt("protected-mode", True, _bool,
@@ -257,12 +277,12 @@ OPTIONS: tuple[Option, ...] = (
          fmt=_yes_no),
     _opt("maxclients", 10000, _int(1, 1_000_000), "Most clients connected at once.",
          mutable=True),
-    _opt("timeout", 0, _int(0, 10**9), "Close clients idle this many seconds (0 = never).",
-         mutable=True),
-    _opt("tls-port", 0, _int(0, 65535), "TLS port (0 = no TLS listener)."),
-    _opt("tls-cert-file", "", _str, "Server certificate (PEM)."),
-    _opt("tls-key-file", "", _str, "Server private key (PEM)."),
-    _opt("tls-ca-cert-file", "", _str, "CA bundle to verify clients with."),
+    _opt("timeout", 0, _int(0, 10**9, "SECONDS"),
+         "Close clients idle this many seconds (0 = never).", mutable=True),
+    _opt("tls-port", 0, _int(0, 65535, "PORT"), "TLS port (0 = no TLS listener)."),
+    _opt("tls-cert-file", "", _path, "Server certificate (PEM)."),
+    _opt("tls-key-file", "", _path, "Server private key (PEM)."),
+    _opt("tls-ca-cert-file", "", _path, "CA bundle to verify clients with."),
     _opt("tls-auth-clients", "no", _choice("yes", "no", "optional"),
          "Require client certificates."),
     # limits
@@ -284,7 +304,7 @@ OPTIONS: tuple[Option, ...] = (
     _opt("write-wait-queue", 4096, _int(1, 10**6),
          "Most writes (KV.PUT, KV.RESERVE/MRESERVE, promotions for KV.LEASE) waiting in turn "
          "for DRAM room; more get -OOM.", mutable=True),
-    _opt("write-wait-timeout", 30000, _int(1, 3_600_000),
+    _opt("write-wait-timeout", 30000, _int(1, 3_600_000, "MS"),
          "Most ms a write waits in turn for DRAM room before -OOM.", mutable=True),
     _opt("client-output-buffer-limit", BufferLimits(), parse_buffer_limits,
          "Redis's `<class> <hard> <soft> <soft seconds>`, repeated, for classes normal, "
@@ -292,7 +312,7 @@ OPTIONS: tuple[Option, ...] = (
          "above the soft limit longer than the soft seconds, is disconnected and its pinned "
          "chunks released (0 = no limit). Setting some classes keeps the others.",
          mutable=True),
-    _opt("payload-timeout", 30, _int(0, 86_400),
+    _opt("payload-timeout", 30, _int(0, 86_400, "SECONDS"),
          "Seconds a half-received command (a payload being uploaded) may make no progress "
          "before its connection is closed and its DRAM slot freed (0 = never).", mutable=True),
     _opt("loopback-sndbuf", 128 * 1024, parse_size,
@@ -308,27 +328,61 @@ OPTIONS: tuple[Option, ...] = (
          "Most token ids in one KV.MATCHTOKENS.", mutable=True),
     _opt("min-chunk-tokens", 16, _int(1, 1 << 20),
          "Smallest CHUNK a KV.MATCHTOKENS may ask for.", mutable=True),
-    _opt("shutdown-timeout", 10, _int(0, 3600),
+    _opt("shutdown-timeout", 10, _int(0, 3600, "SECONDS"),
          "Seconds in-flight commands get to finish on shutdown.", mutable=True),
-    _opt("slowlog-log-slower-than", 10000, _int(-1, 10**12),
+    _opt("slowlog-log-slower-than", 10000, _int(-1, 10**12, "MICROS"),
          "Microseconds above which a command is logged (-1 disables).", mutable=True),
     _opt("slowlog-max-len", 128, _int(0, 10**6), "Slow log entries kept.", mutable=True),
     _opt("fast-path", True, _bool,
          "Run PING, ECHO, GET, SET key value and EXISTS on the compiled small-command path when "
          "it is built (no: every command on the Python path; same replies, more CPU).",
          mutable=True, fmt=_yes_no),
-    _opt("metrics-port", 0, _int(0, 65535),
+    _opt("metrics-port", 0, _int(0, 65535, "PORT"),
          "Port of the Prometheus /metrics endpoint, on the first bind address (0 = off; needs "
          "the metrics extra)."),
     # process
     _opt("loglevel", "notice", _choice("debug", "verbose", "notice", "warning"),
          "Log level.", mutable=True),
-    _opt("data-dir", "./kvstrata-data", _str, "Folder for persistent tiers."),
-    _opt("trace-file", "", _str, "Append every KV.MATCH/PUT/GET/LEASE/SESSION/PREFETCH (sizes "
+    _opt("data-dir", "./kvstrata-data", _path, "Folder for persistent tiers."),
+    _opt("trace-file", "", _path, "Append every KV.MATCH/PUT/GET/LEASE/SESSION/PREFETCH (sizes "
          "and hashes, no payloads) to this JSON Lines file for kvstrata simulate; empty = off."),
+    # KV events (docs/events.md)
+    _opt("kv-events-endpoint", "", _str,
+         "ZMQ PUB endpoint of the KV events routers read (vLLM's wire format), e.g. "
+         "tcp://127.0.0.1:5557; >tcp://host:port connects instead of binding; empty = off "
+         "(needs the events extra)."),
+    _opt("kv-events-replay-endpoint", "", _str,
+         "ZMQ ROUTER endpoint where a subscriber that missed sequence numbers asks for them "
+         "again (vLLM's replay protocol); empty = off."),
+    _opt("kv-events-buffer", 64 * 1024**2, parse_size,
+         "Bytes of the newest messages kept for replay (a message: one namespace's events of a "
+         "millisecond, at most 256).", **_SIZE),
+    _opt("kv-events-hwm", 256, _int(1, 10**7),
+         "Messages queued per subscriber (ZMQ high-water mark); past it a message is dropped "
+         "for every subscriber (INFO events: kv_events_dropped) and stays in the replay buffer, "
+         "never waited for."),
+    _opt("kv-events-topic", "kv@{node}@{model}", _str,
+         "Topic frame of each message; {node} is kv-events-node, {model} the namespace's "
+         "model (kv-events-models)."),
+    _opt("kv-events-node", "", _str,
+         "This node's name in topics and in KV.TIERMATCH replies (empty = hostname:port)."),
+    _opt("kv-events-models", "", _str,
+         "Namespace → model and LoRA in the events: space-separated "
+         "NAMESPACE-GLOB=MODEL[;LORA_ID[;LORA_NAME]], first match wins; other namespaces: "
+         "their text up to the first @."),
+    _opt("kv-events-vllm-namespaces", "vllm:*", _str,
+         "Namespace glob of the vLLM tier (clients/vllm.py): its hashes are vLLM offload keys "
+         "(block hash + 4-byte group), sent as vLLM's block hash and group_idx."),
+    _opt("kv-events-event-format", "map", _choice("map", "array"),
+         "map = vLLM 0.33's events (maps tagged by type); array = the array_like events of "
+         "earlier vLLM releases, which llm-d's kv-cache-manager decodes ([tag, hashes, parent, "
+         "token_ids, block_size, lora_id, medium])."),
+    _opt("kv-events-hash-format", "int64", _choice("int64", "bytes"),
+         "Block hashes in the events: int64 = the hash as a big-endian integer, low 64 bits "
+         "(vLLM's default conversion of its own block hashes); bytes = as stored."),
     # KV store
     _opt("chunk-tokens", 256, _int(1, 1 << 20), "Default tokens per chunk (KV.MATCHTOKENS)."),
-    _opt("lease-ttl", 30000, _int(1, 86_400_000), "Default lease lifetime in ms.",
+    _opt("lease-ttl", 30000, _int(1, 86_400_000, "MS"), "Default lease lifetime in ms.",
          mutable=True),
     _opt("lease-max", 65536, _int(0, 10**8),
          "Most leases held at once by all clients (0 = no limit); past it -LEASELIMIT.",
@@ -345,7 +399,7 @@ OPTIONS: tuple[Option, ...] = (
          "allocation units) one connection holds at once, as a size or a percentage of "
          "dram-capacity (0 = no limit); past it -LEASELIMIT.", mutable=True,
          fmt=_format_share_or_size),
-    _opt("write-lease-ttl-max", 60000, _int(0, 86_400_000),
+    _opt("write-lease-ttl-max", 60000, _int(0, 86_400_000, "MS"),
          "Longest TTL in ms of a write lease (KV.RESERVE, KV.MRESERVE): a longer TTL gets "
          "-LEASELIMIT and a default lease-ttl above it is cut to it (0 = no cap).",
          mutable=True),
@@ -355,7 +409,7 @@ OPTIONS: tuple[Option, ...] = (
          "handed to the socket are copied out of the arena, and a client whose socket alone "
          "still pins more after another reply-pin-timeout is closed. Half of it is what a "
          "connection hands to its socket at once (0 = no bound).", mutable=True, **_SIZE),
-    _opt("reply-pin-timeout", 5, _int(1, 3600),
+    _opt("reply-pin-timeout", 5, _int(1, 3600, "SECONDS"),
          "Seconds a connection's unsent replies may pin more than reply-pin-max of DRAM.",
          mutable=True),
     _opt("dram-capacity", 1024**3, parse_size, "Size of the shared-memory DRAM arena.", **_SIZE),
@@ -365,7 +419,7 @@ OPTIONS: tuple[Option, ...] = (
     _opt("dram-pin", "auto", _choice("auto", "yes", "no"),
          "Register the arena with cudaHostRegister when CUDA exists."),
     _opt("dram-pin-quota", 0, parse_size, "Most bytes to pin (0 = the whole arena).", **_SIZE),
-    _opt("nvme-path", "", _str, "Folder of the NVMe tier (default: DATA-DIR/nvme)."),
+    _opt("nvme-path", "", _path, "Folder of the NVMe tier (default: DATA-DIR/nvme)."),
     _opt("nvme-capacity", 16 * 1024**3, parse_size, "NVMe tier size (0 disables the tier).",
          **_SIZE),
     _opt("nvme-write-policy", "write-back", _choice("write-back", "write-through"),
@@ -389,7 +443,7 @@ OPTIONS: tuple[Option, ...] = (
     _opt("s3-write-policy", "write-back", _choice("write-back", "write-through"),
          "write-through: PUTs are uploaded at once so other nodes see them.", mutable=True),
     _opt("s3-max-connections", 16, _int(1, 1024), "Parallel S3 requests."),
-    _opt("s3-timeout", 10.0, _float(0.1, 3600.0),
+    _opt("s3-timeout", 10.0, _float(0.1, 3600.0, "SECONDS"),
          "Seconds per S3 request before it counts as failed."),
     _opt("s3-auth-key", "", _auth_key, "Key of the HMAC-SHA256 tags on S3 objects (16+ "
          "characters; empty: no tags). Objects without a valid tag are misses; shown redacted.",
@@ -409,10 +463,66 @@ OPTIONS: tuple[Option, ...] = (
          mutable=True, **_SIZE),
 )  # fmt: skip
 _BY_NAME = {o.name: o for o in OPTIONS}
-#: what ``serve --help`` shows for the values of each parser (``_choice`` lists its choices)
-METAVARS: dict[Callable[[Any], Any], str] = {
-    parse_size: "SIZE", _bool: "yes|no", _ratio: "RATIO", _bind: "ADDR",
-}  # fmt: skip
+METAVARS.update({
+    parse_size: "SIZE", _bool: "yes|no", _ratio: "RATIO", _bind: "ADDR", _path: "PATH",
+    _str: "TEXT", _auth_key: "KEY", _share_or_size: "SIZE|PERCENT",
+    parse_buffer_limits: "LIMITS",
+})  # fmt: skip
+
+#: The groups of ``serve --help`` and docs/configuration.md, in order, as redis.conf's sections;
+#: a name ending in ``*`` takes every key with that prefix. Every key is in exactly one group
+#: (tests/test_config_help.py); a key in none is listed under "other" meanwhile.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("network", ("bind", "port", "timeout", "loopback-sndbuf")),
+    ("tls", ("tls-*",)),
+    ("security", ("requirepass", "protected-mode")),
+    ("general", ("loglevel", "data-dir", "shutdown-timeout", "fast-path")),
+    ("clients and limits", ("maxclients", "proto-max-bulk-len", "max-multibulk-len",
+                            "client-query-buffer-limit", "client-output-buffer-limit",
+                            "payload-timeout")),
+    ("memory management", ("maxmemory", "maxmemory-policy", "write-wait-queue",
+                           "write-wait-timeout")),
+    ("kv store", ("chunk-tokens", "min-chunk-tokens", "max-chain-chunks", "max-match-tokens")),
+    ("leases and reply pins", ("lease-*", "write-lease-ttl-max", "reply-pin-*")),
+    ("dram tier", ("dram-*",)),
+    ("nvme tier", ("nvme-*",)),
+    ("s3 tier", ("s3-*",)),
+    ("gpu tier", ("gpu-*",)),
+    ("prefetch", ("prefetch-*",)),
+    ("slow log", ("slowlog-*",)),
+    ("metrics", ("metrics-port",)),
+    ("kv events for routers", ("kv-events-*",)),
+    ("tracing", ("trace-file",)),
+)  # fmt: skip
+
+
+def _in_group(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(name.startswith(p[:-1]) if p.endswith("*") else name == p for p in patterns)
+
+
+def grouped_options() -> list[tuple[str, list[Option]]]:
+    """(group title, its keys in table order) for every group of :data:`GROUPS` (a key goes to
+    the first group that names it) and "other" for keys no group names, when there are any."""
+    groups: list[tuple[str, list[Option]]] = [(title, []) for title, _ in GROUPS]
+    other: list[Option] = []
+    for opt in OPTIONS:
+        index = next((i for i, (_, pats) in enumerate(GROUPS) if _in_group(opt.name, pats)), -1)
+        (groups[index][1] if index >= 0 else other).append(opt)
+    return groups + ([("other", other)] if other else [])
+
+
+def groups_of(name: str) -> list[str]:
+    """Every group title whose patterns take ``name`` (exactly one for each key)."""
+    return [title for title, patterns in GROUPS if _in_group(name, patterns)]
+
+
+def metavar(opt: Option) -> str:
+    """What ``serve --help`` shows for the key's value, from its parser: ``{a,b}``, ``SIZE``,
+    ``MS``, ``SECONDS``, ``yes|no``, ``N``…"""
+    choices = getattr(opt.parse, "choices", None)
+    if choices:
+        return "{" + ",".join(choices) + "}"
+    return METAVARS.get(opt.parse, "TEXT")
 
 
 @dataclass(slots=True)
@@ -493,6 +603,8 @@ def _check(values: Mapping[str, Any]) -> None:
             f"invalid value for 'min-chunk-tokens': {values['min-chunk-tokens']} is above "
             f"chunk-tokens ({values['chunk-tokens']})"
         )
+    if values["kv-events-replay-endpoint"] and not values["kv-events-endpoint"]:
+        raise ConfigError("invalid value for 'kv-events-replay-endpoint': needs kv-events-endpoint")
     if values["tls-port"] and not (values["tls-cert-file"] and values["tls-key-file"]):
         raise ConfigError("invalid value for 'tls-port': needs tls-cert-file and tls-key-file")
     if values["tls-port"] and values["tls-auth-clients"] != "no" and not values["tls-ca-cert-file"]:
@@ -535,10 +647,41 @@ def load_config(
             if opt is None:
                 if source == "environment":
                     continue  # foreign KVSTRATA_* variables are not ours to judge
-                raise ConfigError(f"unknown key '{name}' in {source}")
+                close = difflib.get_close_matches(name, list(_BY_NAME), n=1, cutoff=0.6)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ConfigError(f"unknown key '{name}' in {source}{hint}")
             values[name] = _merge(values[name], _parse(opt, raw))
     _check(values)
+    _check_dram_floor(values)
     return Config(values)
+
+
+#: KV bytes per token the smallest DRAM arena must hold for one chunk of ``min-chunk-tokens``
+#: (64 KiB: fp16 KV of a 1–3B model; a 7B-class model's is 128–512 KiB)
+FLOOR_BYTES_PER_TOKEN = 64 * 1024
+
+
+def dram_floor(min_chunk_tokens: int) -> int:
+    """The smallest ``dram-capacity`` accepted: one chunk of ``min-chunk-tokens`` tokens at
+    :data:`FLOOR_BYTES_PER_TOKEN` (1 MiB with the default 16)."""
+    return min_chunk_tokens * FLOOR_BYTES_PER_TOKEN
+
+
+def _check_dram_floor(values: Mapping[str, Any]) -> None:
+    """Refuse an arena too small for one chunk (``--dram-capacity 12`` is 12 bytes, not GiB).
+    Checked at start only: dram-capacity cannot change at run time."""
+    size, tokens = values["dram-capacity"], values["min-chunk-tokens"]
+    floor = dram_floor(tokens)
+    if size >= floor:
+        return
+    hint = ""
+    if size and size * 1024**3 >= floor:
+        hint = f"; a size without a unit is in bytes: write {size}GiB for {size} GiB"
+    raise ConfigError(
+        f"invalid value for 'dram-capacity': {size} bytes is below the smallest arena, "
+        f"{format_size(floor)} (one chunk of min-chunk-tokens = {tokens} tokens at "
+        f"{FLOOR_BYTES_PER_TOKEN // 1024} KiB of KV per token){hint}"
+    )
 
 
 def render_markdown() -> str:
@@ -557,12 +700,22 @@ def render_markdown() -> str:
         'counting as 1 (or 0); write a number or a quoted size (`nvme-capacity = "16GiB"`,',
         "`nvme-capacity = 0` to disable the tier). A TOML float is no integer (`port = 7379.5`).",
         "",
-        "| key | default | runtime | meaning |",
-        "|---|---|---|---|",
+        "The keys are grouped as in `kvstrata serve --help` (and as redis.conf's sections); the",
+        "value column is the metavar `--help` shows: `SIZE` a size, `MS`/`SECONDS`/`MICROS` a",
+        "duration in that unit, `N` a count, `RATIO` a number above 0 and at most 1.",
+        "`dram-capacity` must hold one chunk of `min-chunk-tokens` tokens at 64 KiB of KV per",
+        "token (1MiB with the default 16): `--dram-capacity 12` (12 bytes) stops start-up.",
     ]
-    for o in OPTIONS:
-        default = o.fmt(o.default) if o.default != "" else "(empty)"
-        lines.append(f"| `{o.name}` | `{default}` | {'yes' if o.mutable else ''} | {o.doc} |")
+    for title, options in grouped_options():
+        lines += ["", f"## {title}", "", "| key | value | default | runtime | meaning |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for o in options:
+            default = o.fmt(o.default) if o.default != "" else "(empty)"
+            value = metavar(o).replace("|", "\\|")
+            lines.append(
+                f"| `{o.name}` | `{value}` | `{default}` | {'yes' if o.mutable else ''} | "
+                f"{o.doc} |"
+            )
     return "\n".join(lines) + "\n"
 
 

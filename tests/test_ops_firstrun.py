@@ -1,7 +1,7 @@
-"""A first run without surprises: ``kvstrata demo`` without the ``hf`` extra says how to install
-it in one line; the demo's embedded server cannot pick up a ``kvstrata/`` folder from the
-current directory; ``--metrics-port`` without prometheus-client names the install; the README's
-table lists every page under ``docs/``."""
+"""A first run without surprises: ``kvstrata demo`` without the ``hf`` extra says how to install it
+in one line (and, without torch, how to get its CPU build first); the demo's embedded server
+cannot pick up a ``kvstrata/`` folder from the current directory; ``--metrics-port`` without
+prometheus-client names the install; the README's table lists every page under ``docs/``."""
 
 from __future__ import annotations
 
@@ -31,13 +31,23 @@ def _run_hiding(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("module", ["torch", "transformers"])
 def test_demo_without_the_hf_extra_prints_one_line_naming_the_install(module: str) -> None:
+    """Without torch it also says, before any install starts, how to get torch's CPU build
+    (the extra would pull the multi-GB CUDA build): the version the test command pins."""
     proc = _run_hiding(module, "demo", "--turns", "1")
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
     assert f"({module} is not installed)" in lines[0]
     assert "pip install 'kvstrata[hf]'" in lines[0]
+    if module == "transformers":
+        assert len(lines) == 1, proc.stderr
+        return
+    assert len(lines) == 3 and "CPU build of torch first" in lines[1], proc.stderr
+    cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert lines[2].strip() == f"python3 -m {cpu}"
+    pinned = (ROOT / "scripts/test.sh").read_text()
+    assert '"torch==2.13.0"' in pinned  # the README's and the demo's pin is the test command's
+    assert f"python3 -m {cpu}" in (ROOT / "README.md").read_text()
 
 
 def test_demo_help_works_without_torch() -> None:

@@ -2,12 +2,13 @@
 
 ``Server.run()`` starts everything and returns after shutdown (SIGTERM/SIGINT, ``SHUTDOWN``,
 or :meth:`Server.request_shutdown`). Start-up binds the listeners first (:meth:`Server.listen`)
-and then builds the store (:meth:`Server.load`: dram pre-touch, index rebuild); meanwhile
+and then builds the store (:meth:`Server.load`: the tiers, the NVMe index rebuild); meanwhile
 ``loading`` is true and commands without Redis's ``loading`` flag (everything but PING, INFO,
-AUTH, HELLO, CLIENT, CONFIG, COMMAND…) get ``-LOADING``. Shutdown closes the listeners, lets
-in-flight commands finish within ``shutdown-timeout`` seconds, closes the connections, then the
-store — after writing the chunks only memory tiers hold to NVMe within another
-``shutdown-timeout`` seconds, unless it was ``SHUTDOWN NOSAVE``.
+AUTH, HELLO, CLIENT, CONFIG, COMMAND…) get ``-LOADING``. The DRAM arena's warm-up is not part
+of loading: it runs in the background while the store serves (``kvstrata.tiers.dram``).
+Shutdown closes the listeners, lets in-flight commands finish within ``shutdown-timeout``
+seconds, closes the connections, then the store — after writing the chunks only memory tiers
+hold to NVMe within another ``shutdown-timeout`` seconds, unless it was ``SHUTDOWN NOSAVE``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class Server:
         self._cron: asyncio.Task[None] | None = None
         #: ``trace-file``: the KV command recorder (kvstrata.sim.trace), None when off
         self.tracer: TraceRecorder | None = None
+        #: ``kv-events-endpoint``: the KV-event publisher (kvstrata.server.events), None when off
+        self.events: Any = None
         #: the data folder's lock (and the NVMe folder's), held from listen() to shutdown()
         self._folder_locks: list[FolderLock] = []
 
@@ -122,6 +125,7 @@ class Server:
             self.tls_port = tls.sockets[0].getsockname()[1]
             self.config.values["tls-port"] = self.tls_port
         await self._start_metrics(hosts[0] or "0.0.0.0")
+        self._start_events()
         self._cron = asyncio.ensure_future(self._cron_loop())
         self._listening.set()
 
@@ -137,10 +141,20 @@ class Server:
         self.cmdstats.histograms = True
         log.info("Prometheus metrics on http://%s:%d/metrics", host, self.metrics.port)
 
+    def _start_events(self) -> None:
+        if not self.config.kv_events_endpoint:
+            return
+        from kvstrata.server.events import ZmqPublisher, node_name
+
+        self.events = ZmqPublisher(self.config, node_name(self.config, self.port))
+        self.events.start()
+
     async def load(self) -> None:
-        """Build the store (pre-touch, index rebuild); then commands are no longer refused."""
-        self.store = await _build_store(self.config, self.keyspace)
-        self.store.state.tracer = self.tracer  # the store records what changes placement
+        """Build the store (tiers, index rebuild); then commands are no longer refused (the DRAM
+        arena goes on warming in the background)."""
+        self.store = await _build_store(self.config, self.keyspace, self.events)
+        if self.store is not None:
+            self.store.state.tracer = self.tracer  # the store records what changes placement
         self.strings.kv = self.store  # large plain values live in its tiers
         self.loading = False
         self._ready.set()
@@ -225,6 +239,10 @@ class Server:
             await self.store.close(save_budget=self._save_budget())
         if self.tracer is not None:
             self.tracer.close()
+        if self.events is not None:
+            if self.store is not None and self.store.events is not None:
+                self.store.events.flush()  # the last tick's events still go out
+            self.events.close()
         self._release_folders()  # last: the store no longer writes there
         log.info("kvstrata stopped")
 
@@ -347,14 +365,14 @@ def _import_store(config: Config) -> None:
         importlib.import_module(module)
 
 
-async def _build_store(config: Config, keyspace: Keyspace) -> Any:
+async def _build_store(config: Config, keyspace: Keyspace, events: Any = None) -> Any:
     try:
         await asyncio.get_running_loop().run_in_executor(None, _import_store, config)
         from kvstrata.store.kvstore import KVStore
     except ImportError:
         log.warning("KV store not available: KV.* commands are disabled")
         return None
-    store = await KVStore.from_config(config, keyspace)
+    store = await KVStore.from_config(config, keyspace, events)
     try:
         await store.start()
     except BaseException:  # cancelled (shutdown while loading) or failed: close the tiers

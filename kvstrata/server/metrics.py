@@ -17,6 +17,9 @@ on the first address of ``bind``. Families (all prefixed ``kvstrata_``; ``_total
 - ``connected_clients``, ``connections_received``, ``loading``, ``uptime_seconds``,
   ``build_info`` (label ``version``).
 
+``GET /tiermatch?ns=NAMESPACE&hashes=HEX,HEX…`` (or ``&tokens=1,2,3[&chunk=N]``) answers
+KV.TIERMATCH as JSON (hashes in hex), for routers that poll over HTTP.
+
 The Grafana dashboard in ``deploy/grafana/`` uses these names; ``tests/test_ops_metrics.py``
 checks it against what ``/metrics`` exposes.
 """
@@ -24,6 +27,7 @@ checks it against what ``/metrics`` exposes.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -173,6 +177,7 @@ class MetricsEndpoint:
         from prometheus_client import CollectorRegistry
         from prometheus_client.process_collector import ProcessCollector
 
+        self.server = server
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(cast(Any, Collector(server)))
         ProcessCollector(namespace="kvstrata", registry=self.registry)
@@ -196,6 +201,8 @@ class MetricsEndpoint:
             method, path = [*head.split(b"\r\n", 1)[0].split(b" "), b"", b""][:2]
             if method not in (b"GET", b"HEAD"):
                 status, ctype, body = b"405 Method Not Allowed", b"text/plain", b"GET only\n"
+            elif path.split(b"?")[0] == b"/tiermatch":
+                status, ctype, body = await self._tiermatch(path)
             elif path.split(b"?")[0] not in (b"/metrics", b"/"):
                 status, ctype, body = b"404 Not Found", b"text/plain", b"try /metrics\n"
             else:
@@ -216,6 +223,16 @@ class MetricsEndpoint:
             log.exception("metrics request failed")
         finally:
             writer.close()
+
+
+    async def _tiermatch(self, path: bytes) -> tuple[bytes, bytes, bytes]:
+        from kvstrata.server.commands.kv_route import tier_match_query
+
+        try:
+            status, reply = b"200 OK", await tier_match_query(self.server, path)
+        except ValueError as exc:
+            status, reply = b"400 Bad Request", {"error": str(exc)}
+        return status, b"application/json", json.dumps(reply).encode() + b"\n"
 
 
 def metrics_available() -> bool:

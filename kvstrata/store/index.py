@@ -11,6 +11,9 @@ resident in that tier (``child_res``). Both are maintained on every residency ch
 Whenever a record's eligibility as an eviction candidate in a tier may have changed (it entered
 or left the tier, or its resident-children count there moved between 0 and non-zero) the index
 calls ``on_change(record, tier)``; the placement module keeps its LRU heaps from that hook.
+Every residency change itself (a copy gained or lost by an indexed record, or the record
+removed) goes through one method, ``_residency``, which also tells ``on_residency`` when set:
+the tier events routers follow (``store.events``).
 
 Everything here is synchronous bookkeeping; no I/O.
 """
@@ -87,6 +90,8 @@ def record_from_meta(meta: ChunkMeta, expire_at: int | None = None) -> ChunkReco
 
 
 ChangeHook = Callable[[ChunkRecord, str], None]
+#: (record, tier, +1 entered / -1 left)
+ResidencyHook = Callable[[ChunkRecord, str, int], None]
 
 
 def _noop(rec: ChunkRecord, tier: str) -> None:
@@ -101,6 +106,7 @@ class ChunkIndex:
         self._records: dict[ChunkKey, ChunkRecord] = {}
         self._children: dict[ChunkKey, set[bytes]] = {}
         self.on_change = on_change
+        self.on_residency: ResidencyHook | None = None
         #: tier → (chunks, bytes) resident according to the index
         self.count_in: dict[str, int] = {}
         self.bytes_in: dict[str, int] = {}
@@ -223,6 +229,8 @@ class ChunkIndex:
             rec.tiers.discard(tier)
 
     def _residency(self, rec: ChunkRecord, tier: str, delta: int) -> None:
+        if self.on_residency is not None:
+            self.on_residency(rec, tier, delta)
         self.count_in[tier] = self.count_in.get(tier, 0) + delta
         self.bytes_in[tier] = self.bytes_in.get(tier, 0) + delta * rec.size
         parent = self.parent_of(rec)

@@ -4,6 +4,7 @@ Chunks join it as ``kv:{namespace}:{hex hash}`` (their records implement :class:
 SCAN, KEYS, TYPE, TTL, EXPIRE, DEL and DBSIZE work on them. The owner of a type registers an
 ``on_delete`` callback that runs when a user (DEL, UNLINK, expiry, FLUSHALL) removes one of its
 keys; the owner itself removes keys with :meth:`Keyspace.remove`, which calls nothing.
+``flush_hooks`` are told when a FLUSHALL starts (``True``) and ends (``False``).
 
 SCAN cursors are insertion sequence numbers: every key present for the whole iteration is
 returned exactly once, keys added meanwhile may or may not be.
@@ -58,6 +59,7 @@ class Keyspace:
         self._next_seq = 1
         self._expiring: SampleSet[bytes] = SampleSet()
         self._on_delete: dict[str, Callable[[bytes, Entry], None]] = {}
+        self.flush_hooks: list[Callable[[bool], None]] = []
         self.expired_keys = 0
         self.hits = 0
         self.misses = 0
@@ -182,8 +184,14 @@ class Keyspace:
         self._order_seq.clear()
         self._order_key.clear()
         self._expiring.clear()
-        for key, entry in items:
-            self._notify(key, entry)
+        for hook in self.flush_hooks:
+            hook(True)
+        try:
+            for key, entry in items:
+                self._notify(key, entry)
+        finally:
+            for hook in self.flush_hooks:
+                hook(False)
         return len(items)
 
     def expire_cycle(

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvstrata.config import Config
 from kvstrata.protocol.errors import CommandError
+from kvstrata.store.events import EventSink, TierEvents
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace, now_ms
@@ -42,7 +43,7 @@ from kvstrata.store.kvstore_prefetch import PrefetchPath
 from kvstrata.store.kvstore_read import Payload, ReadPath
 from kvstrata.store.kvstore_rebuild import empty_report, rebuild_index
 from kvstrata.store.kvstore_remote import RemotePath
-from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState
+from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_internal
 from kvstrata.store.kvstore_write import StoreSink, WritePath
 from kvstrata.store.leases import NO_HOLDER, Holder, Lease, ReadLease, WriteLease, run_sweeper
 from kvstrata.store.placement import Placement
@@ -60,11 +61,18 @@ class KVStore:
     """See the module docstring."""
 
     def __init__(
-        self, config: Config, keyspace: Keyspace, tiers: list[Tier], gpu_status: str = ""
+        self,
+        config: Config,
+        keyspace: Keyspace,
+        tiers: list[Tier],
+        gpu_status: str = "",
+        events: EventSink | None = None,
     ) -> None:
         self.config = config
         self.keyspace = keyspace
         self.state = StoreState(config, keyspace, tiers)
+        #: the tier events routers follow (``store.events``), None without kv-events-endpoint
+        self.events = self._follow(events) if events is not None else None
         #: one line for INFO tiers: why there is or is not a gpu tier
         self.gpu_status = gpu_status or status_of(tiers, int(config.gpu_device))
         self.placement = Placement(self.state)
@@ -76,6 +84,12 @@ class KVStore:
         self.hints = PrefetchPath(self.state, self.placement, self.reads, self.remote, self.gpu)
         self.rebuild = empty_report()  # what start() found in the local persistent tiers
         self._background: list[asyncio.Task[Any]] = []
+
+    def _follow(self, sink: EventSink) -> TierEvents:
+        events = TierEvents(sink, int(self.config.chunk_tokens), is_internal)
+        self.state.index.on_residency = events.residency
+        self.keyspace.flush_hooks.append(events.flushing)
+        return events
 
     @property
     def tiers(self) -> list[Tier]:
@@ -90,17 +104,20 @@ class KVStore:
         return self.state.leases
 
     @classmethod
-    async def from_config(cls, config: Config, keyspace: Keyspace) -> KVStore:
+    async def from_config(
+        cls, config: Config, keyspace: Keyspace, events: EventSink | None = None
+    ) -> KVStore:
         """Build the tiers the configuration asks for (gpu when gpu-capacity > 0, dram always,
         nvme when nvme-capacity > 0, s3 when s3-bucket is set; see ``kvstore_build``) and
         return an un-started store. Raises TierUnavailable (e.g. a gpu tier without CUDA)."""
         tiers, status = await build_tiers(config)
-        return cls(config, keyspace, tiers, status)
+        return cls(config, keyspace, tiers, status, events)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Prepare the tiers (the dram pre-touch), rebuild the index, start background work."""
+        """Prepare the tiers (starts the dram warm-up, which runs on in the background), rebuild
+        the index, start background work."""
         for tier in self.state.tiers:
             await tier.prepare()
         await rebuild_index(self.state, self.rebuild)
@@ -498,7 +515,12 @@ class KVStore:
             for k, v in self.rebuild.items()
         ]
         tiers += self.remote.info()
-        return {"tiers": tiers, "persistence": persistence, "prefetch": self.hints.info()}
+        return {
+            "tiers": tiers,
+            "persistence": persistence,
+            "prefetch": self.hints.info(),
+            "events": self.events.info() if self.events is not None else [("kv_events", 0)],
+        }
 
     def tier_error_count(self) -> int:
         return self.state.errors

@@ -181,8 +181,9 @@ class Tier(ABC):
         return {}
 
     async def prepare(self) -> None:  # noqa: B027 - optional hook
-        """Slow set-up left out of the constructor (the dram pre-touch), awaited by the store
-        at start while the server already answers with ``-LOADING``."""
+        """Set-up left out of the constructor, awaited by the store at start (while the server
+        answers ``-LOADING``): it must be quick; slow work (the dram warm-up) is started here
+        as a background task of the tier, which serves meanwhile and ends it in ``close``."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass

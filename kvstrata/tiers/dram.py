@@ -2,9 +2,9 @@
 
 The arena is created once (``/dev/shm/{prefix}-{instance}-{n}``, where ``instance`` is a random
 identity of this tier, never the PID: in a container the server is PID 1 after every restart, and
-a client still mapping the previous ``kvstrata-1-0`` would read a dead arena), written to page
-by page at start
-so later copies run at memcpy speed instead of page-fault speed, and carved by an
+a client still mapping the previous ``kvstrata-1-0`` would read a dead arena), warmed (its pages
+faulted in without a byte changed, :mod:`kvstrata.tiers._dram_warm`) so later copies run at
+memcpy speed instead of page-fault speed, and carved by an
 :class:`~kvstrata.tiers.alloc.OffsetAllocator` into 4096-aligned slots. Other processes map it
 by name (``regions()``) and read a chunk at its ``handle()`` offset without a copy.
 
@@ -14,10 +14,12 @@ handed out again at once, so a ``view()`` stays valid only while the store keeps
 pinned.
 
 Everything here runs on the event loop without awaiting: a copy of a 32 MiB chunk is a few
-milliseconds of memcpy. The pre-touch is the exception: built with ``defer_pretouch`` (the
-server does), the constructor only creates the segment and :meth:`DramTier.prepare` touches it
-on a worker thread in 64 MiB steps (numpy's fill releases the GIL), logging progress, so the
-event loop keeps answering ``PING`` (with ``-LOADING`` for KV commands) meanwhile.
+milliseconds of memcpy. The warm-up is the exception: built with ``defer_pretouch`` (the
+server does), the constructor only creates the segment and :meth:`DramTier.prepare` starts a
+background task that warms it on a worker thread in 64 MiB steps, logging progress, and pins
+it when done. The tier serves from the start: the warm-up never writes, so a chunk stored in a
+page it has not reached yet is only slower to write (the page faults in then), never changed.
+``info()`` shows the progress (``warming``, ``warmed_percent``, ``warm_method``).
 
 Segments of processes killed before ``close()`` are reclaimed when the next tier with the same
 prefix starts, and once more :data:`STALE_AFTER_SECONDS` later (:meth:`DramTier.reclaim_stale`,
@@ -50,6 +52,7 @@ import numpy as np
 
 from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _cuda
+from kvstrata.tiers._dram_warm import PageWarmer
 from kvstrata.tiers.arena import ArenaTier, byte_view, new_instance_id
 from kvstrata.tiers.base import Buffer, Region, TierUnavailable, register_tier
 
@@ -70,8 +73,10 @@ class DramConfig:
     pin: str = "auto"  # auto | yes | no
     pin_quota: int = 0  # most bytes to pin; 0 = the whole arena
     region: str = "dram0"  # region id in handles and KV.REGIONS
-    #: leave pre-touch and pinning to ``await tier.prepare()`` (off the event loop)
+    #: leave the warm-up and pinning to a background task started by ``await tier.prepare()``
     defer_pretouch: bool = False
+    #: warm by reading one byte per page even where MADV_POPULATE_WRITE works (tests)
+    warm_by_reading: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any) -> DramConfig:
@@ -183,8 +188,11 @@ class DramTier(ArenaTier):
         assert buf is not None
         self._buf: memoryview = buf
         super().__init__(size, config.region, instance)
-        self.touch_seconds = 0.0
-        self.touched = 0  # bytes pre-touched so far (progress while loading)
+        self.touch_seconds = 0.0  # how long the warm-up took (0 until it is done)
+        self.touched = 0  # bytes warmed so far, from offset 0 up
+        self.warm_error = ""  # why the warm-up stopped early ("" when it did not)
+        self._warmer = PageWarmer(buf, force_read=config.warm_by_reading)
+        self._warm_task: asyncio.Task[None] | None = None
         self._pin_ptr = 0
         self.pinned, self.pin_reason = 0, "not prepared yet"
         if not config.defer_pretouch:
@@ -197,16 +205,32 @@ class DramTier(ArenaTier):
     # -- arena setup --------------------------------------------------------------------
 
     def _touch_range(self, start: int, end: int) -> None:
-        """Write zeros over ``[start, end)`` so its pages are faulted in now (GIL released)."""
-        np.frombuffer(self._buf[start:end], dtype=np.uint8).fill(0)
+        """Fault ``[start, end)`` in without changing a byte (worker thread, GIL released)."""
+        self._warmer.warm(start, end)
         self.touched = end
 
+    @property
+    def warming(self) -> bool:
+        """The background warm-up is still running."""
+        return self._warm_task is not None and not self._warm_task.done()
+
     async def prepare(self) -> None:
-        """Pre-touch (and pin) a tier built with ``defer_pretouch``, on a worker thread, with a
-        progress line in the log about every second. Cancelling it waits for the step in
-        flight (the segment must not be closed under a writing thread)."""
-        if not self.config.defer_pretouch or self.touch_seconds:
+        """Start warming (then pinning) a tier built with ``defer_pretouch`` in the background
+        and return at once: the tier serves meanwhile (see the module docstring)."""
+        if not self.config.defer_pretouch or self.touch_seconds or self._warm_task is not None:
             return
+        self._warm_task = asyncio.get_running_loop().create_task(self._warm(), name="dram warm")
+
+    async def wait_warm(self) -> None:
+        """Until the background warm-up (and pinning) is over (benchmarks, tests)."""
+        if self._warm_task is not None:
+            await asyncio.wait([self._warm_task])
+
+    async def _warm(self) -> None:
+        """The warm-up: 64 MiB steps on a worker thread, a progress line about every second.
+        Cancelling it waits for the step in flight (the segment must not be closed under a
+        thread reading it). A failure is logged and shown in ``info()``, and ends the warm-up
+        only: pages not reached fault in when first written."""
         loop = asyncio.get_running_loop()
         size = self._alloc.capacity
         started = last_log = time.perf_counter()
@@ -219,14 +243,27 @@ class DramTier(ArenaTier):
             except asyncio.CancelledError:
                 await asyncio.wait([step])
                 raise
+            except Exception as exc:  # OSError: the segment cannot be backed
+                self.warm_error = str(exc)
+                log.error("dram: warming the arena %s stopped at %s of %s: %s (is /dev/shm "
+                          "large enough? df -h /dev/shm)", self._shm.name,
+                          _fmt_bytes(self.touched), _fmt_bytes(size), exc)  # fmt: skip
+                break
             now = time.perf_counter()
             if now - last_log >= 1.0:
                 last_log = now
-                log.info("dram: pre-touched %d%% of %s (%.1f s)", 100 * self.touched // size,
-                         _fmt_bytes(size), now - started)  # fmt: skip
+                log.info("dram: warmed %d%% of %s (%.1f s, serving meanwhile)",
+                         100 * self.touched // size, _fmt_bytes(size), now - started)  # fmt: skip
         self.touch_seconds = max(time.perf_counter() - started, 1e-9)
-        self.pinned, self.pin_reason = await loop.run_in_executor(None, self._pin)
-        log.info("dram: arena of %s ready in %.2f s", _fmt_bytes(size), self.touch_seconds)
+        pin = loop.run_in_executor(None, self._pin)
+        try:
+            self.pinned, self.pin_reason = await asyncio.shield(pin)
+        except asyncio.CancelledError:
+            await asyncio.wait([pin])  # close() must see the registration to undo it
+            self.pinned, self.pin_reason = pin.result()
+            raise
+        log.info("dram: arena of %s warmed in %.2f s (%s)", _fmt_bytes(size),
+                 self.touch_seconds, self._warmer.method)  # fmt: skip
 
     def _pin(self) -> tuple[int, str]:
         if self.config.pin == "no":
@@ -312,12 +349,19 @@ class DramTier(ArenaTier):
             "pinned": self.pinned,
             "pin_reason": self.pin_reason,
             "pretouch_seconds": round(self.touch_seconds, 3),
+            "warming": int(self.warming),
+            "warmed_percent": 100 * self.touched // max(1, self._alloc.capacity),
+            "warm_method": self._warmer.method,
+            **({"warm_error": self.warm_error} if self.warm_error else {}),
         }
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._warm_task is not None:
+            self._warm_task.cancel()
+            await asyncio.wait([self._warm_task])
         if self._pin_ptr:
             _cuda.host_unregister(self._pin_ptr)
             self._pin_ptr = 0

@@ -7,7 +7,9 @@ on a worker thread (the hashing of KV.MATCHTOKENS), so other clients stay served
 
 Trailing option words (``WITHTIERS``, ``PREFETCH``, ``CASCADE``, ``TOKENS``, ``TTL``, ``NX``…)
 are matched case-insensitively; in commands that take a variable list of hashes (``KV.MATCH``)
-a hash equal to an option word must not be the last argument.
+a hash equal to an option word must not be the last argument. Hashes are opaque, so a misspelt
+option (``WITHTEIRS``) is a hash: KV.MATCH logs a warning when its last hash is an option word
+but for case or one edit (``_near``).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from kvstrata.server.commands._chain import (
     matched_sliced,
     next_slice,
 )
+from kvstrata.server.commands._near import warn_if_option_like
 from kvstrata.server.commands.connection import arg_bytes, parse_int
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.keys import (
+    ChunkKey,
     validate_hash,
     validate_namespace,
     validate_parent,
@@ -107,8 +111,34 @@ def _put_sink(ctx: Any, args_so_far: list[Any], nbytes: int) -> Any:
     return store.reserve_put(ns, h, parent, nbytes)
 
 
+#: most token ids one chunk may carry (TOKENIDS): the largest chunk-tokens
+MAX_TOKEN_IDS = 1 << 20
+
+
+def token_ids_option(arg: Any) -> bytes:
+    """TOKENIDS: the chunk's token ids, packed little-endian u32 (sent in KV events)."""
+    ids = arg_bytes(arg)
+    if not ids or len(ids) % 4:
+        raise CommandError("invalid TOKENIDS: must be packed LE u32, a non-empty multiple of 4")
+    if len(ids) // 4 > MAX_TOKEN_IDS:
+        raise CommandError(f"invalid TOKENIDS: more than {MAX_TOKEN_IDS} token ids")
+    return ids
+
+
+def token_ids_count(opts: dict[bytes, Any]) -> int:
+    """TOKENS, or the number of TOKENIDS when only those were given (they must agree)."""
+    ids = opts.get(b"TOKENIDS")
+    tokens = opts.get(b"TOKENS")
+    if ids is None:
+        return tokens or 0
+    if tokens is not None and tokens != len(ids) // 4:
+        raise CommandError(f"invalid TOKENIDS: {len(ids) // 4} token ids for TOKENS {tokens}")
+    return len(ids) // 4
+
+
 _PUT_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
     b"TOKENS": tokens_option,
+    b"TOKENIDS": token_ids_option,
     b"TTL": _ttl,
     b"NX": None,
 }
@@ -120,13 +150,16 @@ _PUT_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
     "write denyoom",
     group="kv",
     summary="Stores one chunk (parent empty for the first chunk of a chain). A large payload is "
-    "received straight into its DRAM slot. TTL is the chunk's time to live in ms.",
+    "received straight into its DRAM slot. TTL is the chunk's time to live in ms. TOKENIDS "
+    "(packed LE u32, TOKENS defaults to their number) go out in its KV events "
+    "(kv-events-endpoint; ignored when off).",
     arguments=(
         NS,
         HASH,
         PARENT,
         Arg("payload", "string"),
         Arg("tokens", "integer", optional=True, token="TOKENS"),
+        Arg("token-ids", "string", optional=True, token="TOKENIDS"),
         Arg("ttl", "integer", optional=True, token="TTL"),
         Arg("nx", "pure-token", optional=True, token="NX"),
     ),
@@ -150,19 +183,34 @@ def kv_put(ctx: Ctx, args: Args) -> Reply:
     payload = args[4] if sink is None else sink.view
     if not memoryview(payload).nbytes:
         raise CommandError("invalid payload: empty")
-    tokens, ttl = opts.get(b"TOKENS", 0), opts.get(b"TTL")
+    tokens, ttl = token_ids_count(opts), opts.get(b"TTL")
+    ids = opts.get(b"TOKENIDS")
+    events = store.events if ids is not None else None
+    if events is not None:
+        events.expect_tokens(ChunkKey(ns, h), ids)
     if sink is not None:  # the payload is already in its arena slot: usually nothing to await
-        done = store.put_sink_now(ns, h, parent, tokens, ttl, sink)
+        try:
+            done = store.put_sink_now(ns, h, parent, tokens, ttl, sink)
+        except BaseException:
+            if events is not None:
+                events.forget_tokens(ChunkKey(ns, h))
+            raise
         if done is not NOT_NOW:
+            if events is not None:
+                events.forget_tokens(ChunkKey(ns, h))
             return 1
-    return _put_slow(store, ns, h, parent, payload, tokens, ttl, b"NX" in opts, sink)
+    return _put_slow(store, ns, h, parent, payload, tokens, ttl, b"NX" in opts, sink, events)
 
 
 async def _put_slow(
     store: Any, ns: str, h: bytes, parent: bytes, payload: Any, tokens: int,
-    ttl: int | None, nx: bool, sink: Any,
+    ttl: int | None, nx: bool, sink: Any, events: Any = None,
 ) -> Reply:  # fmt: skip
-    return 1 if await store.put(ns, h, parent, payload, tokens, ttl, nx, sink) else 0
+    try:
+        return 1 if await store.put(ns, h, parent, payload, tokens, ttl, nx, sink) else 0
+    finally:
+        if events is not None:
+            events.forget_tokens(ChunkKey(ns, h))
 
 
 # -- KV.GET / KV.MGET ----------------------------------------------------------------------------
@@ -240,7 +288,8 @@ _MATCH_WORDS = (b"WITHTIERS", b"PREFETCH")
     "of the chain this node does not hold is looked up in s3 (chunks stored by other nodes). "
     "WITHTIERS adds the fastest tier of each matched chunk; PREFETCH queues the matched "
     "chunks for promotion into DRAM in the background. A hash equal to an option word must not "
-    "be last.",
+    "be last; hashes are opaque, so a misspelt option (WITHTEIRS) is taken as a hash, and the "
+    "server logs a warning when the last hash is an option but for case or one edit.",
     complexity="O(N) hashes",
     arguments=(
         NS,
@@ -258,6 +307,8 @@ def kv_match(ctx: Ctx, args: Args) -> Reply:
     while end > 3 and len(args[end - 1]) <= 9 and arg_bytes(args[end - 1]).upper() in _MATCH_WORDS:
         flags.add(arg_bytes(args[end - 1]).upper())
         end -= 1
+    if 7 <= len(args[end - 1]) <= 10:  # WITHTIERS, PREFETCH but for case or one edit?
+        warn_if_option_like("KV.MATCH", arg_bytes(args[end - 1]), _MATCH_WORDS, ctx.client.addr)
     hashes = chain_hashes(ctx, args[2:end])
     store = store_of(ctx)
     if len(hashes) > SLICE:

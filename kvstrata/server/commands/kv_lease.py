@@ -22,6 +22,7 @@ commands do to its own expired lease is described in ``store.fences``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from operator import contains
 from typing import Any
@@ -38,11 +39,12 @@ from kvstrata.server.commands.kv import (
     int_option,
     parse_options,
     store_of,
+    token_ids_option,
     tokens_option,
 )
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
-from kvstrata.store.keys import validate_hash, validate_namespace, validate_parent
+from kvstrata.store.keys import ChunkKey, validate_hash, validate_namespace, validate_parent
 from kvstrata.store.kvstore_batch import BatchItem
 from kvstrata.store.leases import Holder
 
@@ -62,6 +64,14 @@ def _tier(arg: Any) -> str:
     if name not in _TIERS:
         raise CommandError(f"invalid TIER '{name[:32]}': must be gpu or dram")
     return name
+
+
+_MRESERVE_OPTIONS: dict[bytes, Callable[[Any], Any] | None] = {
+    b"TOKENS": tokens_option,
+    b"TOKENIDS": token_ids_option,
+    b"TTL": _lease_ttl,
+    b"TIER": _tier,
+}
 
 
 def _handle(h: Any) -> list[Any]:
@@ -184,6 +194,26 @@ def _batch_items(ctx: Ctx, args: Args) -> tuple[list[BatchItem], int]:
     return items, end
 
 
+def _batch_token_ids(store: Any, ns: str, items: list[BatchItem], opts: dict) -> int:
+    """TOKENS of every chunk; TOKENIDS (every chunk's ids, in chain order) are split per chunk
+    and handed to the KV events, which keep them until the chunk is published."""
+    ids = opts.get(b"TOKENIDS")
+    if ids is None:
+        return int(opts.get(b"TOKENS", 0))
+    n, per = len(ids) // 4, opts.get(b"TOKENS")
+    if per is None:
+        if n % len(items):
+            raise CommandError(f"invalid TOKENIDS: {n} token ids for {len(items)} chunks")
+        per = n // len(items)
+    if per * len(items) != n:
+        raise CommandError(f"invalid TOKENIDS: {n} token ids for {len(items)} chunks of {per}")
+    events = store.events
+    if events is not None:
+        for i, item in enumerate(items):
+            events.expect_tokens(ChunkKey(ns, item.hash), ids[4 * per * i : 4 * per * (i + 1)])
+    return int(per)
+
+
 @command(
     "KV.MRESERVE",
     -6,
@@ -193,7 +223,8 @@ def _batch_items(ctx: Ctx, args: Args) -> tuple[list[BatchItem], int]:
     "(the first linked to parent, each next one to the one before it) under one write lease. "
     "All-or-nothing for memory: when one slot cannot be made, none is kept. A chunk that is "
     "stored already or being written by another client gets no slot. KV.COMMIT publishes "
-    "every slot in chain order, KV.ABORT frees them all. TOKENS applies to every chunk.",
+    "every slot in chain order, KV.ABORT frees them all. TOKENS applies to every chunk; "
+    "TOKENIDS (every chunk's packed LE u32 ids, in order) go out in their KV events.",
     complexity="O(N) chunks",
     arguments=(
         NS,
@@ -206,6 +237,7 @@ def _batch_items(ctx: Ctx, args: Args) -> tuple[list[BatchItem], int]:
             arguments=(Arg("hash", "string"), Arg("nbytes", "integer")),
         ),
         Arg("tokens", "integer", optional=True, token="TOKENS"),
+        Arg("token-ids", "string", optional=True, token="TOKENIDS"),
         TTL,
         TIER,
     ),
@@ -224,10 +256,11 @@ async def kv_mreserve(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     parent = validate_parent(args[2])
     items, end = _batch_items(ctx, args)
-    opts = parse_options(args, end, {b"TOKENS": tokens_option, b"TTL": _lease_ttl, b"TIER": _tier})
-    res = await store_of(ctx).reserve_batch(
-        ns, parent, items, opts.get(b"TOKENS", 0), opts.get(b"TTL"), opts.get(b"TIER"),
-        holder_of(ctx),
+    opts = parse_options(args, end, _MRESERVE_OPTIONS)
+    store = store_of(ctx)
+    tokens = _batch_token_ids(store, ns, items, opts)
+    res = await store.reserve_batch(
+        ns, parent, items, tokens, opts.get(b"TTL"), opts.get(b"TIER"), holder_of(ctx),
     )  # fmt: skip
     entries = [Simple(e.encode()) if isinstance(e, str) else _handle(e) for e in res.entries]
     return [None if res.lease is None else res.lease.id, entries]
