@@ -62,6 +62,7 @@ class Shape:
             "nvme_capacity": self.nvme,
             "nvme_slab_max": self.slab_max,
             "prefetch_concurrency": self.prefetch_workers,
+            "min_chunk_tokens": 1,  # (the DRAM floor is one such chunk: these arenas are small)
         }
         if self.write_through:
             out["nvme_write_policy"] = "write-through"
