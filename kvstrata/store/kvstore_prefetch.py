@@ -130,10 +130,11 @@ class PrefetchPath:
     ) -> tuple[int, int]:
         """Queue a prefetch; (request id, chunks queued), (0, 0) when nothing was queued."""
         name = self.check_target(target)
-        # every prefetch (KV.PREFETCH, of a session, KV.MATCH PREFETCH) comes here with its
-        # chain resolved: the trace has the chunks the server chose from, not the session
-        self.state.trace("prefetch", ns, hashes, to=name, deadline=deadline_ms or 0)
         todo = self._todo(ns, hashes, name)
+        # every prefetch (KV.PREFETCH, of a session, KV.MATCH PREFETCH) comes here with its
+        # chain resolved: the trace has the chunks the server chose from, not the session;
+        # after the lookups, so that an expiry they caused is recorded first
+        self.state.trace("prefetch", ns, hashes, to=name, deadline=deadline_ms or 0)
         if not todo:
             return 0, 0
         req: PrefetchRequest | None = self.prefetch.submit(ns, todo, name, deadline_ms, session)
