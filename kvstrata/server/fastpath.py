@@ -39,9 +39,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.server.cmdstats import CommandStat
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import StringEntry
 from kvstrata.store.kvstore_state import NOT_NOW
 from kvstrata.store.strings import ENTRY_OVERHEAD, LARGE_VALUE

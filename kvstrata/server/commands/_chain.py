@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvstrata.chunks import MAX_HASH_BYTES, validate_hash
 from kvstrata.protocol.errors import CommandError
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Args
-from kvstrata.store.keys import MAX_HASH_BYTES, validate_hash
 
 SLICE = 4096  # hashes handled between two yields to the event loop
 THREAD_TOKENS = 65536  # KV.MATCHTOKENS hashes more tokens than this on the hashing thread

@@ -17,6 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstrata.chunks import (
+    ChunkKey,
+    validate_hash,
+    validate_namespace,
+    validate_parent,
+    validate_tokens,
+)
 from kvstrata.protocol.errors import CommandError, RespError, syntax_error
 from kvstrata.protocol.frames import BulkView
 from kvstrata.server.commands._chain import (
@@ -32,13 +39,6 @@ from kvstrata.server.commands._near import warn_if_option_like
 from kvstrata.server.commands.connection import arg_bytes, parse_int
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
-from kvstrata.store.keys import (
-    ChunkKey,
-    validate_hash,
-    validate_namespace,
-    validate_parent,
-    validate_tokens,
-)
 from kvstrata.store.kvstore import NOT_NOW
 
 NS = Arg("namespace", "string")

@@ -27,6 +27,7 @@ from functools import partial
 from operator import contains
 from typing import Any
 
+from kvstrata.chunks import ChunkKey, validate_hash, validate_namespace, validate_parent
 from kvstrata.protocol.errors import CommandError, LeaseError
 from kvstrata.protocol.frames import OK, Simple
 from kvstrata.server.commands.connection import arg_bytes
@@ -45,7 +46,6 @@ from kvstrata.server.commands.kv import (
 )
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
-from kvstrata.store.keys import ChunkKey, validate_hash, validate_namespace, validate_parent
 from kvstrata.store.kvstore_batch import BatchItem
 from kvstrata.store.leases import Holder
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvstrata.chunks import validate_namespace
 from kvstrata.protocol.errors import CommandError, syntax_error
 from kvstrata.server.commands._chain import (
     SLICE,
@@ -26,7 +27,6 @@ from kvstrata.server.commands.kv import NS, int_option, store_of
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.events import TierWalk
-from kvstrata.store.keys import validate_namespace
 from kvstrata.store.keyspace import now_ms
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvstrata.chunks import validate_hash, validate_namespace
 from kvstrata.protocol.errors import CommandError, syntax_error
 from kvstrata.protocol.frames import OK
 from kvstrata.server.commands.connection import arg_bytes
@@ -34,7 +35,6 @@ from kvstrata.server.commands.kv import (
 )
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
-from kvstrata.store.keys import validate_hash, validate_namespace
 from kvstrata.store.sessions import MAX_TTL_MS
 
 SESSION = Arg("session", "string")
