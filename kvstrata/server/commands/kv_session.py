@@ -18,7 +18,7 @@ first hash must not be ``SESSION`` or ``CANCEL`` when exactly one more argument 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.chunks import validate_hash, validate_namespace
 from kvstrata.protocol.errors import CommandError, syntax_error
@@ -36,6 +36,9 @@ from kvstrata.server.commands.kv import (
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.sessions import MAX_TTL_MS
+
+if TYPE_CHECKING:
+    from kvstrata.store.kvstore import KVStore
 
 SESSION = Arg("session", "string")
 SESSION_TTL_MAX = MAX_TTL_MS
@@ -141,7 +144,7 @@ def kv_prefetch(ctx: Ctx, args: Args) -> Reply:
 
 
 async def _prefetch_shared(
-    store: Any, ns: str, session: bytes, target: str | None, deadline: int | None
+    store: KVStore, ns: str, session: bytes, target: str | None, deadline: int | None
 ) -> Reply:
     request_id, queued = await store.prefetch_session_shared(ns, session, target, deadline)
     return [request_id, queued]
