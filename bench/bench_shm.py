@@ -19,7 +19,10 @@ Contenders, alternated round by round (the order rotates), medians of GB/s per c
   at ~1–1.4 GB/s, see ``_lmcache_mp._copy``);
 - memcpy: n ``np.copyto`` of the same sizes between touched buffers (the bound of every route).
 
-kvstrata checksums each chunk at commit (integrity, DESIGN.md); LMCache does not. Both shared
+kvstrata checksums each chunk (integrity, DESIGN.md); LMCache does not. Its puts fill the slots
+with ``write``, which copies and checksums in one pass and sends the digest with the commit
+(issue 31); "hashed" is the same batch put filled through array views, the server hashing each
+slot at commit (the route before issue 31). Both shared
 regions are touched before the timed rounds. The MP server needs a few packages that LMCache's
 plugin venv (``scripts/engines/lmcache.sh``) leaves out; an overlay venv adds them::
 
@@ -106,7 +109,7 @@ class KvstrataShm:
         parent = None
         for h, src in zip(self._hashes(b"c"), self.srcs, strict=True):
             lease = self.kv.reserve(NS, h, parent, src.nbytes, tokens=256)
-            np.copyto(lease.array(), src)
+            lease.write(src)
             lease.commit()
             parent = h
         self.stored += self._hashes(b"c")
@@ -116,8 +119,18 @@ class KvstrataShm:
         sizes = [s.nbytes for s in self.srcs]
         with self.kv.reserve_chain(NS, None, self.batch, sizes, tokens=256) as batch:
             for i in batch.reserved:
-                np.copyto(batch.array(i), self.srcs[i])
+                batch.write(i, self.srcs[i])
         self.stored += self.batch
+
+    def put_hashed(self) -> None:
+        """The batch put as before issue 31: copies through array views, no digest sent, the
+        server hashes each slot at commit."""
+        hashes = self._hashes(b"s")
+        sizes = [s.nbytes for s in self.srcs]
+        with self.kv.reserve_chain(NS, None, hashes, sizes, tokens=256) as batch:
+            for i in batch.reserved:
+                np.copyto(batch.array(i), self.srcs[i])
+        self.stored += hashes
 
     def put_published(self) -> None:
         self.batch = self._hashes(b"p")
@@ -125,7 +138,7 @@ class KvstrataShm:
         with self.kv.reserve_chain(NS, None, self.batch, sizes, tokens=256) as batch:
             group = PublishGroups(batch.publish)
             for i in batch.reserved:
-                np.copyto(batch.array(i), self.srcs[i])
+                batch.write(i, self.srcs[i])
                 group.add(i, sizes[i])
         self.stored += self.batch
 
@@ -157,7 +170,7 @@ def measure(
     k = KvstrataShm(kv, mib, n)
     steps: dict[str, Callable[[], object]] = {
         "chunk put": k.put_per_chunk, "batch put": k.put_batched, "publish put": k.put_published,
-        "lease get": k.get_leased, "memcpy": k.memcpy,
+        "hashed put": k.put_hashed, "lease get": k.get_leased, "memcpy": k.memcpy,
     }  # fmt: skip
     if lmc is not None:
         lmc.call("setup", mib=mib, n=n, torch_copy=torch_copy)
@@ -183,7 +196,8 @@ def measure(
     total = n * mib * MiB
     out = {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
     pairs = (("batch put", "lmc put"), ("publish put", "lmc put"), ("lease get", "lmc get"),
-             ("publish put", "chunk put"))  # fmt: skip
+             ("publish put", "chunk put"), ("batch put", "memcpy"), ("publish put", "memcpy"),
+             ("hashed put", "memcpy"), ("lease get", "memcpy"))  # fmt: skip
     for a, b in pairs:
         if b in times:  # a busy machine slows a whole round: the ratio within rounds is steadier
             out[f"{a}/{b}"] = statistics.median(
@@ -231,6 +245,14 @@ def main() -> None:
               f" {g['publish put/chunk put']:>11.2f} {g['lease get']:>13.2f}"
               f" {g.get('lmc get', nan):>12.2f}"
               f" {g.get('lease get/lmc get', nan):>10.2f}")  # fmt: skip
+    print()
+    print("Against memcpy (medians of per-round ratios; 'hashed': the batch put without a client")
+    print("digest, the server hashing each slot at commit, as before issue 31)")
+    print(f"{'MiB':>4} {'batch/memcpy':>13} {'publish/memcpy':>15} {'hashed/memcpy':>14}"
+          f" {'lease get/memcpy':>17}")  # fmt: skip
+    for mib, _, g in rows:
+        print(f"{mib:>4} {g['batch put/memcpy']:>13.2f} {g['publish put/memcpy']:>15.2f}"
+              f" {g['hashed put/memcpy']:>14.2f} {g['lease get/memcpy']:>17.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

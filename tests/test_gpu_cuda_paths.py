@@ -96,7 +96,7 @@ class RecordingClient:
     def release(self, lease_id: Any, via: Any = None) -> None:
         self.log.append(("release", lease_id))
 
-    def commit(self, lease_id: Any, via: Any = None) -> None:
+    def commit(self, lease_id: Any, via: Any = None, digests: Any = ()) -> None:
         self.log.append(("commit", lease_id))
 
     def abort(self, lease_id: Any, via: Any = None) -> None:
@@ -107,7 +107,7 @@ class AsyncRecordingClient(RecordingClient):
     async def release(self, lease_id: Any, via: Any = None) -> None:  # type: ignore[override]
         self.log.append(("release", lease_id))
 
-    async def commit(self, lease_id: Any, via: Any = None) -> None:  # type: ignore[override]
+    async def commit(self, lease_id: Any, via: Any = None, digests: Any = ()) -> None:  # type: ignore[override]
         self.log.append(("commit", lease_id))
 
     async def abort(self, lease_id: Any, via: Any = None) -> None:  # type: ignore[override]

@@ -37,7 +37,7 @@ from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseId, RegionInfo
 from kvstrata.clients.sync import settings_from_url
-from kvstrata.protocol.errors import LeaseError
+from kvstrata.protocol.errors import LeaseError, RespError
 
 __all__ = [
     "AsyncClient",
@@ -140,7 +140,7 @@ class AsyncWriteLease(_CommitOnExit, WriteLeaseBase):
             await self.abort()  # never publish bytes not known to be complete
             raise
         self.done = True
-        await self._client.commit(self.lease_id, via=self._conn)
+        await self._client.commit(self.lease_id, via=self._conn, digests=self.commit_digests())
 
     async def abort(self) -> None:
         if not self.done:
@@ -170,8 +170,9 @@ class AsyncWriteBatch(_CommitOnExit, WriteBatchBase):
             raise RuntimeError("this write batch is already committed or aborted")
         self._check_unpublished(indexes)
         await _wait(self.fence(), strict=True)
+        named, digests = self.commit_args(indexes)
         self.published.append(indexes)
-        await self._client.commit(self._lease(), *indexes, via=self._conn)
+        await self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
 
     async def commit(self) -> None:
         if self.done:
@@ -183,7 +184,8 @@ class AsyncWriteBatch(_CommitOnExit, WriteBatchBase):
             raise
         self.done = True
         if self.unpublished():
-            await self._client.commit(self._lease(), via=self._conn)
+            named, digests = self.commit_args(())
+            await self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
 
     async def abort(self) -> None:
         """Discard the chunks not published yet (see
@@ -228,6 +230,7 @@ class AsyncClient:
         self.settings = ConnectionSettings(host=host, port=port, **kwargs)
         self.pool = AsyncConnectionPool(self.settings, max_connections)
         self._regions: dict[str, RegionInfo] = {}
+        self._digests = True  # False once the server turned KV.COMMIT … DIGEST down
         self._regions_generation = -1
         self.shared_memory = True  # see Client.shared_memory
 
@@ -393,10 +396,22 @@ class AsyncClient:
         return ["stored" if ok else "exists" for ok in await p.execute()]
 
     async def commit(
-        self, lease_id: LeaseId, *indexes: int, via: AsyncConnection | None = None
+        self,
+        lease_id: LeaseId,
+        *indexes: int,
+        via: AsyncConnection | None = None,
+        digests: Sequence[bytes] = (),
     ) -> None:
-        """``KV.COMMIT lease [index…]`` on ``via``, the connection that took the lease (see
-        :meth:`kvstrata.clients.Client.commit`)."""
+        """``KV.COMMIT lease [index…] [DIGEST digest…]`` on ``via``, the connection that took
+        the lease (see :meth:`kvstrata.clients.Client.commit`)."""
+        if digests and self._digests:
+            try:
+                await self._run(cmd.commit(lease_id, *indexes, digests=digests), via)
+                return
+            except RespError as exc:
+                if not cmd.refuses_digests(exc):
+                    raise
+                self._digests = False  # an older server: it hashes the slots itself
         await self._run(cmd.commit(lease_id, *indexes), via)
 
     async def abort(self, lease_id: LeaseId, via: AsyncConnection | None = None) -> None:

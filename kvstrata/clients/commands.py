@@ -240,9 +240,18 @@ def _mreserve(reply: Any) -> BatchGrant:
     return BatchGrant(lid, tuple(handles), tuple(states))
 
 
-def commit(lease_id: LeaseId, *indexes: int) -> Call[None]:
-    """Publish a reserved chunk, a batch's chunks, or (``indexes``) those chunks of a batch."""
-    return Call(("KV.COMMIT", lease_id, *indexes), _ok)
+def commit(lease_id: LeaseId, *indexes: int, digests: Sequence[bytes] = ()) -> Call[None]:
+    """Publish a reserved chunk, a batch's chunks, or (``indexes``) those chunks of a batch;
+    ``digests``: the writer's xxh3-128 of each (one per index, or one for a KV.RESERVE slot;
+    ``b""`` for none)."""
+    tail = ("DIGEST", *digests) if digests else ()
+    return Call(("KV.COMMIT", lease_id, *indexes, *tail), _ok)
+
+
+def refuses_digests(exc: BaseException) -> bool:
+    """True for a server before ``KV.COMMIT … DIGEST`` (it read ``DIGEST`` as an index and
+    touched no lease): the client commits again without digests, the server hashing the slots."""
+    return "invalid index: value is not an integer" in str(exc)
 
 
 def abort(lease_id: LeaseId) -> Call[None]:

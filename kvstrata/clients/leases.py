@@ -3,6 +3,13 @@
 A write batch (``KV.MRESERVE``) is one write lease over the slots of several chunks of a chain:
 filled in place, then committed (or aborted) in one round trip.
 
+``write`` of a whole ``shm`` slot copies and checksums the bytes in one pass
+(``clients.copysum``) and the commit sends that digest (``KV.COMMIT … DIGEST``), so the server
+does not hash the slot again; it checks the digest when the chunk first leaves DRAM, and a
+wrong one only ever drops the chunk. A slot filled any other way (a view, an array, a tensor, a
+partial write) is sent without a digest and hashed by the server, as before; taking a view of a
+slot after ``write`` forgets its digest (the view may change the bytes).
+
 The view methods live here, shared by the sync and async clients; ``sync.py`` and ``aio.py``
 add how a lease ends (``release``/``commit``/``abort``, blocking or awaited) and the context
 manager protocol. A view is valid only while its lease is held.
@@ -22,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.clients.copysum import copy_checksum
 from kvstrata.clients.cuda_ipc import stream_fence
 from kvstrata.clients.handles import HandleViews, mapped_devices
 from kvstrata.clients.resp import as_bytes_view
@@ -139,7 +147,7 @@ class LeaseBase(HandleViews):
 class WriteLeaseBase(HandleViews):
     """A reserved, invisible slot: fill it, then commit (publish) or abort (discard)."""
 
-    __slots__ = ("done", "grant", "hash", "namespace")
+    __slots__ = ("digest", "done", "grant", "hash", "namespace")
 
     def __init__(
         self, namespace: str, hash: bytes, grant: ReserveGrant, regions: dict[str, RegionInfo]
@@ -149,6 +157,8 @@ class WriteLeaseBase(HandleViews):
         self.hash = hash
         self.grant = grant
         self.done = False
+        #: the xxh3-128 of the slot as ``write`` filled it whole (sent with the commit)
+        self.digest: bytes | None = None
 
     @property
     def lease_id(self) -> LeaseId:
@@ -169,23 +179,31 @@ class WriteLeaseBase(HandleViews):
 
     def view(self) -> memoryview:
         """The slot as a writable memoryview (``shm`` regions)."""
+        self.digest = None
         return self._view(self.grant.handle)
 
     def array(self, dtype: Any = np.uint8) -> np.ndarray:
         """The slot as a writable 1-D numpy array (``shm`` regions)."""
+        self.digest = None
         return self._array(self.grant.handle, dtype)
 
     def tensor(self, dtype: Any = None) -> Any:
         """The slot as a writable 1-D torch tensor (CPU for ``shm``, CUDA for ``cuda``)."""
+        self.digest = None
         return self._tensor(self.grant.handle, dtype)
 
     def write(self, data: Any, offset: int = 0) -> None:
-        """Copy ``data`` (bytes-like, numpy array, CPU tensor) into the slot at ``offset``."""
+        """Copy ``data`` (bytes-like, numpy array, CPU tensor) into the slot at ``offset``;
+        filling a whole ``shm`` slot also checksums it on the way (see the module docstring)."""
         src = as_bytes_view(data)
         n = len(src)
         if offset < 0 or offset + n > self.nbytes:
             raise ValueError(f"{n} bytes at offset {offset} do not fit a {self.nbytes}-byte slot")
-        self.view()[offset : offset + n] = src
+        self.digest = _write_slot(self._view(self.grant.handle), src, offset)
+
+    def commit_digests(self) -> tuple[bytes, ...]:
+        """What the commit sends after DIGEST: this slot's digest, or nothing."""
+        return () if self.digest is None else (self.digest,)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.lease_id!r} {self.nbytes} bytes>"
@@ -200,7 +218,7 @@ class WriteBatchBase(HandleViews):
     slot when ``states[i] == "reserved"``; ``"exists"`` and ``"busy"`` chunks have none (stored
     already, or another client is writing them): nothing to write for them."""
 
-    __slots__ = ("done", "grant", "hashes", "namespace", "published")
+    __slots__ = ("digests", "done", "grant", "hashes", "namespace", "published")
 
     def __init__(
         self,
@@ -215,6 +233,8 @@ class WriteBatchBase(HandleViews):
         self.grant = grant
         self.done = grant.lease_id is None  # nothing reserved: nothing to commit
         self.published: list[tuple[int, ...]] = []  # groups sent with publish(), in order
+        #: chunk index → the xxh3-128 of its slot as ``write`` filled it whole
+        self.digests: dict[int, bytes] = {}
 
     @property
     def lease_id(self) -> LeaseId | None:
@@ -270,26 +290,55 @@ class WriteBatchBase(HandleViews):
 
     def view(self, i: int) -> memoryview:
         """Chunk ``i``'s slot as a writable memoryview (``shm`` regions)."""
-        return self._view(self._fill_slot(i))
+        slot = self._fill_slot(i)
+        self.digests.pop(i, None)
+        return self._view(slot)
 
     def array(self, i: int, dtype: Any = np.uint8) -> np.ndarray:
         """Chunk ``i``'s slot as a writable 1-D numpy array (``shm`` regions)."""
-        return self._array(self._fill_slot(i), dtype)
+        slot = self._fill_slot(i)
+        self.digests.pop(i, None)
+        return self._array(slot, dtype)
 
     def tensor(self, i: int, dtype: Any = None) -> Any:
         """Chunk ``i``'s slot as a writable 1-D torch tensor (CPU ``shm``, CUDA ``cuda``)."""
-        return self._tensor(self._fill_slot(i), dtype)
+        slot = self._fill_slot(i)
+        self.digests.pop(i, None)
+        return self._tensor(slot, dtype)
 
     def write(self, i: int, data: Any, offset: int = 0) -> None:
-        """Copy ``data`` (bytes-like, numpy array, CPU tensor) into chunk ``i``'s slot."""
+        """Copy ``data`` (bytes-like, numpy array, CPU tensor) into chunk ``i``'s slot;
+        filling a whole ``shm`` slot also checksums it on the way (see the module docstring)."""
         src = as_bytes_view(data)
-        n, size = len(src), self._fill_slot(i).length
+        slot = self._fill_slot(i)
+        n, size = len(src), slot.length
         if offset < 0 or offset + n > size:
             raise ValueError(f"{n} bytes at offset {offset} do not fit a {size}-byte slot")
-        self.view(i)[offset : offset + n] = src
+        self.digests.pop(i, None)
+        digest = _write_slot(self._view(slot), src, offset)
+        if digest is not None:
+            self.digests[i] = digest
+
+    def commit_args(self, indexes: Sequence[int]) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+        """The indexes and DIGEST arguments of a ``KV.COMMIT`` of ``indexes`` (all chunks not
+        published yet when empty): no digest at all when none of them has one, else one per
+        index (empty for a slot without), the indexes then named explicitly."""
+        named = tuple(indexes) or tuple(self.unpublished())
+        if not any(i in self.digests for i in named):
+            return tuple(indexes), ()
+        return named, tuple(self.digests.get(i, b"") for i in named)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.lease_id!r} {len(self.reserved)}/{len(self)} slots>"
+
+
+def _write_slot(slot: memoryview, src: bytes | memoryview, offset: int) -> bytes | None:
+    """Copy ``src`` into ``slot`` at ``offset``; the digest of the slot when that filled it
+    whole (in one pass), else None."""
+    if offset == 0 and len(src) == slot.nbytes:
+        return copy_checksum(slot, src)
+    slot[offset : offset + len(src)] = src
+    return None
 
 
 def batch_slices(sizes: Sequence[int], max_chunks: int = BATCH_CHUNKS,

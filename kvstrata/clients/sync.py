@@ -39,7 +39,7 @@ from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseId, RegionInfo
-from kvstrata.protocol.errors import LeaseError
+from kvstrata.protocol.errors import LeaseError, RespError
 
 __all__ = ["Client", "Lease", "Pipeline", "WriteBatch", "WriteLease", "settings_from_url"]
 
@@ -148,7 +148,7 @@ class WriteLease(_CommitOnExit, WriteLeaseBase):
             self.abort()  # never publish bytes not known to be complete
             raise
         self.done = True
-        self._client.commit(self.lease_id, via=self._conn)
+        self._client.commit(self.lease_id, via=self._conn, digests=self.commit_digests())
 
     def abort(self) -> None:
         if not self.done:
@@ -179,8 +179,9 @@ class WriteBatch(_CommitOnExit, WriteBatchBase):
             raise RuntimeError("this write batch is already committed or aborted")
         self._check_unpublished(indexes)
         _wait(self.fence(), strict=True)  # queued GPU writes into the slots come first
+        named, digests = self.commit_args(indexes)
         self.published.append(indexes)
-        self._client.commit(self._lease(), *indexes, via=self._conn)
+        self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
 
     def commit(self) -> None:
         """Publish every chunk not published yet (one ``KV.COMMIT``); a failure raises and
@@ -194,7 +195,8 @@ class WriteBatch(_CommitOnExit, WriteBatchBase):
             raise
         self.done = True
         if self.unpublished():
-            self._client.commit(self._lease(), via=self._conn)
+            named, digests = self.commit_args(())
+            self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
 
     def abort(self) -> None:
         """Discard the chunks not published yet (those published stay stored). Of an expired
@@ -240,6 +242,7 @@ class Client:
         self.settings = ConnectionSettings(host=host, port=port, **kwargs)
         self.pool = ConnectionPool(self.settings, max_connections)
         self._regions: dict[str, RegionInfo] = {}
+        self._digests = True  # False once the server turned KV.COMMIT … DIGEST down
         self._regions_generation = -1
         #: False once the server's arena proved unreachable from here (``put_chain`` then
         #: sends bytes over the socket)
@@ -400,9 +403,23 @@ class Client:
                 parent = h
             return ["stored" if ok else "exists" for ok in p.execute()]
 
-    def commit(self, lease_id: LeaseId, *indexes: int, via: SyncConnection | None = None) -> None:
-        """``KV.COMMIT lease [index…]`` on ``via``, the connection that took the lease (the
-        server refuses another's: -NOLEASE; default: any pooled connection)."""
+    def commit(
+        self,
+        lease_id: LeaseId,
+        *indexes: int,
+        via: SyncConnection | None = None,
+        digests: Sequence[bytes] = (),
+    ) -> None:
+        """``KV.COMMIT lease [index…] [DIGEST digest…]`` on ``via``, the connection that took
+        the lease (the server refuses another's: -NOLEASE; default: any pooled connection)."""
+        if digests and self._digests:
+            try:
+                self._run(cmd.commit(lease_id, *indexes, digests=digests), via)
+                return
+            except RespError as exc:
+                if not cmd.refuses_digests(exc):
+                    raise
+                self._digests = False  # an older server: it hashes the slots itself
         self._run(cmd.commit(lease_id, *indexes), via)
 
     def abort(self, lease_id: LeaseId, via: SyncConnection | None = None) -> None:

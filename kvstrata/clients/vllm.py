@@ -23,9 +23,12 @@ Quirks of vLLM 0.33 this module is written around:
 - Every method runs under the tiering manager's lock, on the scheduler thread or its tier-poll
   thread, and must not block: byte moves and ``KV.MATCH`` run on this tier's threads.
 - ``lookup`` is asked per key; the connector keeps scanning a request's chain while answers are
-  ``RETRY``. So the first pass over a request queues its keys and answers ``RETRY``;
-  ``on_schedule_end`` sends one ``KV.MATCH`` per request and KV group chain; later passes answer
-  ``HIT``/``MISS`` from that result, cached until ``on_request_finished``.
+  ``RETRY``. A key this tier stored or saw matched in the last ``lookup_cache_s`` seconds is a
+  ``HIT`` at once (:mod:`kvstrata.clients.vllm_lookup`: a stale one only makes the load miss).
+  Otherwise the first pass over a request queues its keys and answers ``RETRY``;
+  ``on_schedule_end`` sends the step's ``KV.MATCH`` es (one per request and KV group chain) in
+  one pipelined round trip; later passes answer ``HIT``/``MISS`` from that result, cached until
+  ``on_request_finished``.
 - Each job id must be reported once by ``get_finished_jobs``, which must never raise; a failed
   promotion reports the keys that did land in ``successful_keys``; ``drain_jobs`` waits for all.
 - The tier is built inside the ``Scheduler`` constructor, before the engine seeds its block
@@ -62,23 +65,27 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvstrata.clients.sync import Client, settings_from_url
 from kvstrata.clients.vllm_io import ChunkMover, LoadMode, StoreItem, rows_of
 from kvstrata.clients.vllm_keys import shareable_hash_problem, vllm_namespace
+from kvstrata.clients.vllm_lookup import RecentHits, group_chains
 from kvstrata.clients.vllm_spec import KvstrataOffloadingSpec, join_vllm_logging
 
 __all__ = ["KvstrataOffloadingSpec", "KvstrataTier"]
 
 logger = logging.getLogger("kvstrata.vllm")
+_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 _LOG_EVERY_S = 30.0
 
 
 @dataclass(slots=True)
 class _Request:
     """Lookup state of one request: verdicts so far, keys queued for the next ``KV.MATCH``,
-    and the chain (group, end token) → key for the parents of stored chunks."""
+    and the chain (group, end token) → key for the parents of stored chunks (keys answered
+    from the recent-hit cache join it only when a store needs parents: ``cached``)."""
 
     verdicts: dict[bytes, bool] = field(default_factory=dict)
     queued: dict[bytes, None] = field(default_factory=dict)
     in_flight: bool = False
     chain: dict[tuple[bytes, int], bytes] = field(default_factory=dict)
+    cached: list[bytes] = field(default_factory=list)
 
 
 def client_settings(url: str, password: str | None, tls: Any, timeout_s: float) -> dict[str, Any]:
@@ -147,6 +154,8 @@ class KvstrataTier(SecondaryTierManager):
         load: LoadMode = "auto",
         io_threads: int = 4,
         timeout_s: float = 10.0,
+        lookup_cache_s: float = 2.0,
+        lookup_cache_keys: int = 65536,
         backpressure_detector: Any = None,
         **kwargs: Any,
     ) -> None:
@@ -182,6 +191,8 @@ class KvstrataTier(SecondaryTierManager):
         self._matches: deque[tuple[str, dict[bytes, bool]]] = deque()
         self._misses: deque[tuple[str, list[bytes]]] = deque()  # keys a load did not get
         self._matching: set[Future[None]] = set()
+        self._hits = RecentHits(float(lookup_cache_s), int(lookup_cache_keys))
+        self._hit = self._hits.hit
         self._refused: str | None = None
         self._last_log = 0.0
         logger.info("KvstrataTier: %s, namespace %s", url.split("@")[-1], self.namespace)
@@ -219,47 +230,59 @@ class KvstrataTier(SecondaryTierManager):
         return end
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if not self._check_shareable():
-            return LookupResult.MISS
-        self._apply_matches()
-        state = self._requests.setdefault(req_context.req_id, _Request())
+        # called for every key of every waiting request on the scheduler's path: kept lean
+        if self._refused != "" and not self._check_shareable():
+            return _MISS
+        if self._matches or self._misses:
+            self._apply_matches()
+        state = self._requests.get(req_context.req_id)
+        if state is None:
+            state = self._requests[req_context.req_id] = _Request()
         verdict = state.verdicts.get(key)
         if verdict is not None:
-            return LookupResult.HIT if verdict else LookupResult.MISS
+            return _HIT if verdict else _MISS
+        if self._hit(key):  # stored or matched a moment ago: no round trip
+            state.verdicts[key] = True
+            state.cached.append(key)  # (a later store's parent may be this key)
+            return _HIT
         self._remember(state, key, req_context)
         state.queued[key] = None
         return LookupResult.RETRY
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._apply_matches()
+        step: list[tuple[str, list[list[bytes]]]] = []
         for req_id, state in self._requests.items():
             if state.queued and not state.in_flight:
                 keys, state.queued = list(state.queued), {}
                 state.in_flight = True
-                self._start_match(req_id, keys, state.chain)
+                step.append((req_id, group_chains(keys, state.chain)))
+        if step:  # the whole step's lookups in one round trip
+            future = self._lookups.submit(self._match, step)
+            self._matching.add(future)
+            future.add_done_callback(self._matching.discard)
 
-    def _start_match(self, req_id: str, keys: list[bytes], chain: dict[Any, bytes]) -> None:
-        position = {key: end for (_, end), key in chain.items()}
-        groups: dict[bytes, list[bytes]] = {}
-        for key in keys:
-            groups.setdefault(key[-4:], []).append(key)
-        chains = [sorted(g, key=lambda k: position.get(k, 0)) for g in groups.values()]
-        future = self._lookups.submit(self._match, req_id, chains)
-        self._matching.add(future)
-        future.add_done_callback(self._matching.discard)
-
-    def _match(self, req_id: str, chains: list[list[bytes]]) -> None:
-        """One ``KV.MATCH`` per group chain: its leading ``n`` keys hit, the rest miss."""
-        verdicts: dict[bytes, bool] = {}
+    def _match(self, step: list[tuple[str, list[list[bytes]]]]) -> None:
+        """One pipelined ``KV.MATCH`` per request and group chain: the leading ``n`` keys of a
+        chain hit (remembered), the rest miss (forgotten)."""
+        chains = [(req_id, chain) for req_id, group in step for chain in group]
+        verdicts: dict[str, dict[bytes, bool]] = {req_id: {} for req_id, _ in step}
         try:
-            client = self._mover.client()
-            for chain in chains:
-                n = client.match(self.namespace, chain)
-                verdicts.update((k, i < n) for i, k in enumerate(chain))
+            with self._mover.client().pipeline() as p:
+                for _, chain in chains:
+                    p.match(self.namespace, chain)
+                counts = p.execute()
+            for (req_id, chain), n in zip(chains, counts, strict=True):
+                verdicts[req_id].update((k, i < n) for i, k in enumerate(chain))
+                self._hits.add(chain[:n])
+                self._hits.forget(chain[n:])
         except Exception as exc:  # server down, timeout: a miss, never an error in vLLM
             self._log_failure("KV.MATCH", exc)
-            verdicts.update((k, False) for chain in chains for k in chain if k not in verdicts)
-        self._matches.append((req_id, verdicts))
+            self._hits.clear()
+            for req_id, chain in chains:
+                got = verdicts[req_id]
+                got.update((k, False) for k in chain if k not in got)
+        self._matches.extend(verdicts.items())
 
     def _apply_matches(self) -> None:
         while self._matches:
@@ -268,8 +291,11 @@ class KvstrataTier(SecondaryTierManager):
             if state is not None:
                 state.verdicts.update(verdicts)
                 state.in_flight = False
+                for key in verdicts:  # asked again while in flight: answered now
+                    state.queued.pop(key, None)
         while self._misses:
             req_id, keys = self._misses.popleft()
+            self._hits.forget(keys)
             state = self._requests.get(req_id)
             if state is not None:
                 state.verdicts.update(dict.fromkeys(keys, False))
@@ -279,6 +305,9 @@ class KvstrataTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         job = job_metadata
         state = self._requests.setdefault(job.req_context.req_id, _Request())
+        for key in state.cached:
+            self._remember(state, key, job.req_context)
+        state.cached.clear()
         items = []
         for key, row in zip(job.keys, job.chunk_ids, strict=True):
             end = self._remember(state, key, job.req_context)
@@ -312,6 +341,8 @@ class KvstrataTier(SecondaryTierManager):
             except Exception as exc:
                 self._log_failure("store", exc)
                 ok = False
+        if ok:
+            self._hits.add(item.hash for item in items)
         self._finished.append(
             JobResult(
                 job_id=job_id,
@@ -332,7 +363,9 @@ class KvstrataTier(SecondaryTierManager):
         done = [OffloadKey(k) for k, ok in zip(keys, loaded, strict=True) if ok]
         success = len(done) == len(keys)
         if not success:  # evicted since the lookup, or the server went away: stop promising
-            self._misses.append((req_id, [k for k, ok in zip(keys, loaded, strict=True) if not ok]))
+            missed = [k for k, ok in zip(keys, loaded, strict=True) if not ok]
+            self._hits.forget(missed)  # now, not at the next lookup: no other request hits them
+            self._misses.append((req_id, missed))
         self._finished.append(
             JobResult(
                 job_id=job_id,
@@ -380,3 +413,4 @@ class KvstrataTier(SecondaryTierManager):
         for pool in (self._lookups, self._loads, self._stores):
             pool.shutdown(wait=True, cancel_futures=True)
         self._mover.close()
+

@@ -167,7 +167,8 @@ class ChunkMover:
                 with client.reserve_chain(self.namespace, chain[0].parent, hashes, sizes,
                                           tokens=chain[0].tokens) as batch:  # fmt: skip
                     for i in batch.reserved:
-                        np.copyto(batch.array(i), self.rows[chain[i].row])  # the one copy
+                        # the one copy, checksummed on the way (KV.COMMIT … DIGEST)
+                        batch.write(i, self.rows[chain[i].row])
                 return len(batch.reserved)  # stored before, or being written elsewhere: 0
             except RegionMapError as exc:
                 self._arena_unreachable(exc)

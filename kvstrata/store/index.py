@@ -40,6 +40,10 @@ class ChunkRecord:
     size: int
     checksum: bytes
     codec: str = "raw"
+    #: False while ``checksum`` is a client's claim (``KV.COMMIT … DIGEST``) that no byte of the
+    #: chunk was checked against yet; set by the first check (``placement.check_bytes``), which
+    #: every copy out of DRAM passes first (docs/architecture.md, "Client digests")
+    verified: bool = True
     tiers: set[str] = field(default_factory=set)
     last_access: float = field(default_factory=time.monotonic)
     hits: int = 0

@@ -262,17 +262,27 @@ class KVStore:
             )  # fmt: skip
 
     async def commit(
-        self, lease_id: str, indexes: Sequence[int] = (), holder: Holder = NO_HOLDER
+        self,
+        lease_id: str,
+        indexes: Sequence[int] = (),
+        holder: Holder = NO_HOLDER,
+        digests: Sequence[bytes | None] = (),
     ) -> None:
         """KV.COMMIT of ``holder``'s KV.RESERVE or KV.MRESERVE lease; with ``indexes``, only
-        those chunks of a KV.MRESERVE lease (by request position)."""
+        those chunks of a KV.MRESERVE lease (by request position). ``digests``: the writer's
+        checksum of each named slot (``indexes[i]``'s, or the KV.RESERVE slot's), None for
+        none; the caller checked that they pair up."""
+        claims = {i: d for i, d in zip(indexes, digests, strict=False) if d is not None}
         if indexes:
             _, chunks = take_chunks(self.writes, lease_id, indexes, holder)
-            await commit_batch(self.writes, chunks)
+            await commit_batch(self.writes, chunks, claims)
             return
-        lease = self.writes.take_write_lease(lease_id, "KV.COMMIT", holder)
+        lease = self.writes.find_write_lease(lease_id, "KV.COMMIT", holder)
+        if digests and not isinstance(lease, WriteLease):  # the lease stays as it was
+            raise CommandError("DIGEST with a KV.MRESERVE lease needs the chunks' indexes")
+        self.state.leases.pop(lease_id)
         if isinstance(lease, WriteLease):
-            await self.writes.commit(lease)
+            await self.writes.commit(lease, digests[0] if digests else None)
         else:
             await commit_batch(self.writes, lease.chunks)
 
@@ -446,6 +456,7 @@ class KVStore:
             "hits": rec.hits,
             "last_access_ms_ago": int((time.monotonic() - rec.last_access) * 1000),
             "checksum": rec.checksum.hex(),
+            "checksum_verified": int(rec.verified),
             "codec": rec.codec,
             "leases": rec.leases,
             "ttl": ttl,
@@ -503,6 +514,8 @@ class KVStore:
             ("kv_fenced_bytes", self.state.fences.nbytes),
             ("kv_fenced_total", self.state.fences.fenced_total),
             ("kv_integrity_errors", self.state.integrity_errors),
+            ("kv_digest_failures", self.state.digest_failures),
+            ("kv_digest_refused", self.state.digest_refused),
             ("kv_store_errors", self.state.errors),
             ("kv_write_waiting", len(self.placement.room)),
             ("kv_write_waited", self.placement.room.waited),

@@ -13,6 +13,8 @@ The batch keeps every guarantee of a single reservation:
   leaves the others reserved, so a writer can publish each chunk as soon as it is written
   while it fills the next (the server checksums one chunk while the client copies another);
   ``KV.COMMIT lease`` publishes all that are left, and the lease ends when none is left.
+  ``KV.COMMIT lease index… DIGEST d…`` adds the writer's checksum of each named slot, adopted
+  unverified until the chunk's first copy out of DRAM (``kvstore_write``).
 - Committing stops at the first chunk that cannot be published (a write-through tier failed):
   the chunks named before it are published, it and the rest of the command's are discarded,
   and the error says which.
@@ -216,9 +218,12 @@ def take_chunks(
     return lease, chunks
 
 
-async def commit_batch(writes: WritePath, chunks: Sequence[ReservedChunk]) -> None:
+async def commit_batch(
+    writes: WritePath, chunks: Sequence[ReservedChunk], claims: dict[int, bytes] | None = None
+) -> None:
     """Publish ``chunks`` (taken out of their lease) in order; on the first failure the rest
-    are discarded and the error names the chunk."""
+    are discarded and the error names the chunk. ``claims``: request position → the writer's
+    checksum of that slot (KV.COMMIT DIGEST, see ``WritePath.commit_new``)."""
     for chunk in chunks:
         chunk.sink.consume()
     try:
@@ -228,8 +233,9 @@ async def commit_batch(writes: WritePath, chunks: Sequence[ReservedChunk]) -> No
                     data = await chunk.sink.host_bytes()  # a GPU slot is copied to the host
                 except TierError as exc:
                     raise CommandError(f"the reserved slot cannot be read: {exc}") from exc
+                claim = None if claims is None else claims.get(chunk.index)
                 await writes.commit_new(
-                    chunk.key, chunk.parent, chunk.tokens, None, data, chunk.sink
+                    chunk.key, chunk.parent, chunk.tokens, None, data, chunk.sink, claim
                 )
             except RespError as exc:
                 where = (

@@ -150,7 +150,9 @@ class RemotePath:
         assert remote is not None
         rec = state.live(meta.key)
         if rec is not None:
-            if rec.checksum == meta.checksum and rec.size == meta.size:
+            # an unverified checksum (a writer's KV.COMMIT DIGEST) says nothing about the local
+            # bytes: the object is not taken for the same chunk until a write-back checks them
+            if rec.verified and rec.checksum == meta.checksum and rec.size == meta.size:
                 state.index.add_tier(rec, remote.name)
             return rec if rec.tiers else None
         if state.key_busy(meta.key):

@@ -127,6 +127,10 @@ class StoreState:
         self.regions = {t.region_name: t for t in self.tiers if isinstance(t, ArenaTier)}
         self.errors = 0
         self.integrity_errors = 0
+        #: of those, chunks whose checksum was a writer's unverified KV.COMMIT DIGEST
+        self.digest_failures = 0
+        #: commits refused because a DIGEST did not match bytes the commit hashed anyway
+        self.digest_refused = 0
         keyspace.register_type("kvchunk", self._on_keyspace_delete)
 
     # -- lookups ----------------------------------------------------------------------------
@@ -174,6 +178,8 @@ class StoreState:
         tier's stats too unless the tier already did, ``tier_counted``) and drop the chunk from
         every tier (its copies are freed once nobody pins them). Never kept, never served."""
         self.integrity_errors += 1
+        if not rec.verified:
+            self.digest_failures += 1
         found = self.by_name.get(tier)
         if found is not None and not tier_counted:
             found.stats.integrity_errors += 1

@@ -9,6 +9,13 @@ slot to the host first (into a DRAM reservation when there is room), checksums t
 commits the GPU and DRAM copies together. The key is owned by its writer from the
 first reservation to the publication (see ``kvstore_state``), so with ``NX`` exactly one of
 concurrent writers stores the chunk and the others wait for it and answer 0.
+
+``KV.COMMIT … DIGEST d…`` carries the writer's own checksum of each slot (computed while it
+copied the bytes in, ``clients.copysum``): a DRAM slot's claim is adopted without hashing the
+slot again, and the record says it is unverified until the first copy out of DRAM checks it
+(:func:`~kvstrata.store.placement.check_bytes`; a wrong claim then drops the chunk like a
+corrupt copy). Where the commit copies the bytes anyway (a GPU slot, a write-through tier) the
+claim is checked at once and a wrong one refuses the chunk.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.protocol.errors import BusyError, CommandError, LeaseError, OutOfMemoryError
-from kvstrata.store.index import record_from_meta
+from kvstrata.store.index import ChunkRecord, record_from_meta
 from kvstrata.store.keyspace import now_ms
 from kvstrata.store.kvstore_gpu import GpuPath, GpuSink
 from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_internal, is_shared
@@ -32,7 +39,7 @@ from kvstrata.store.leases import (
     WriteLease,
     deadline_after,
 )
-from kvstrata.store.placement import Placement
+from kvstrata.store.placement import Placement, check_bytes
 from kvstrata.tiers.base import Buffer, Handle, TierError, TierFull
 from kvstrata.tiers.checksum import RunningChecksum, checksum
 
@@ -196,9 +203,11 @@ class WritePath:
                 if rec is not None:
                     if nx:
                         return False
-                    if rec.size == data.nbytes and rec.checksum == _checksum(data, sink):
+                    if rec.size == data.nbytes and self._same_bytes(rec, data, sink):
                         self._refresh(rec.redis_key(), ttl_ms)
                         return True
+                    if not rec.alive:
+                        continue  # its unverified DRAM copy just failed the check: dropped
                     if rec.leases:
                         raise BusyError(f"chunk {key.hex} is leased; retry after KV.RELEASE")
                     state.retire(rec)
@@ -221,10 +230,7 @@ class WritePath:
     ) -> bool | NotNow:
         """Publish a payload already received into its DRAM slot without awaiting, when no
         other tier must take the bytes first (no write-through below DRAM); else NOT_NOW."""
-        dram = self.state.dram
-        if dram is None or any(
-            self.state.tiers[j] is not dram for j in self.placement.write_through_tiers()
-        ):
+        if self.state.dram is None or self._copied_at_commit():
             return NOT_NOW
         key = ChunkKey(ns, hash)
         state = self.state
@@ -241,6 +247,19 @@ class WritePath:
             sink.abort()  # a no-op once committed
         return True
 
+    def _same_bytes(self, rec: ChunkRecord, data: memoryview, sink: Any) -> bool:
+        """True when ``data`` is the stored chunk's content. An unverified checksum (a
+        writer's claim) is checked against the DRAM copy first: a claim that equals the new
+        bytes' checksum says nothing about the bytes actually stored."""
+        dram = self.state.dram
+        if not rec.verified and dram is not None and dram.name in rec.tiers:
+            try:
+                check_bytes(rec, dram, dram.view(rec.key))
+            except TierError as exc:
+                self.state.corrupt(rec, dram.name, f"re-put of {rec.key.hex[:16]}", exc, False)
+                return False
+        return rec.verified and rec.checksum == _checksum(data, sink)
+
     def _refresh(self, rkey: bytes, ttl_ms: int | None) -> None:
         self.state.keyspace.set_expire(rkey, None if ttl_ms is None else now_ms() + ttl_ms)
 
@@ -252,9 +271,24 @@ class WritePath:
         ttl_ms: int | None,
         data: memoryview,
         sink: StoreSink | GpuSink | None,
+        claim: bytes | None = None,
     ) -> None:
-        """Place, checksum and publish a chunk whose key the caller owns."""
-        meta = ChunkMeta(key, parent, tokens, data.nbytes, _checksum(data, sink))
+        """Place, checksum and publish a chunk whose key the caller owns. ``claim``: the
+        writer's checksum of ``data`` (KV.COMMIT DIGEST), adopted unverified for a DRAM slot
+        that no other tier takes now, else checked here (CommandError when wrong)."""
+        if claim is None:
+            csum, verified = _checksum(data, sink), True
+        elif type(sink) is StoreSink and data is sink.view and not self._copied_at_commit():
+            csum, verified = claim, False
+        else:
+            csum, verified = checksum(data), True
+            if csum != claim:
+                self.state.digest_refused += 1
+                raise CommandError(
+                    f"the DIGEST of chunk {key.hex} does not match its bytes (xxh3-128 "
+                    f"{csum.hex()}, the writer sent {claim.hex()})"
+                )
+        meta = ChunkMeta(key, parent, tokens, data.nbytes, csum)
         placed: list[str] = []
         try:
             await self._place(meta, data, sink, placed)
@@ -263,7 +297,12 @@ class WritePath:
                 if name != "dram":
                     await self._undo(key, name)
             raise
-        self._publish(meta, placed, ttl_ms, sink)
+        self._publish(meta, placed, ttl_ms, sink, verified)
+
+    def _copied_at_commit(self) -> bool:
+        """True when a commit writes the bytes to a tier besides DRAM (write-through)."""
+        dram = self.state.dram
+        return any(self.state.tiers[j] is not dram for j in self.placement.write_through_tiers())
 
     def _publish(
         self,
@@ -271,9 +310,11 @@ class WritePath:
         placed: list[str],
         ttl_ms: int | None,
         sink: StoreSink | GpuSink | None,
+        verified: bool = True,
     ) -> None:
         """Make a placed chunk visible (index, keyspace) and account for it."""
         rec = record_from_meta(meta, None if ttl_ms is None else now_ms() + ttl_ms)
+        rec.verified = verified
         rec.tiers = set(placed)
         self.state.publish(rec)
         if sink is not None:
@@ -462,8 +503,9 @@ class WritePath:
         self.state.leases.pop(lease_id)
         return lease
 
-    async def commit(self, lease: WriteLease) -> None:
-        """Publish the slot of a lease taken with :meth:`take_write_lease`."""
+    async def commit(self, lease: WriteLease, claim: bytes | None = None) -> None:
+        """Publish the slot of a lease taken with :meth:`take_write_lease` (``claim``: see
+        :meth:`commit_new`)."""
         sink: StoreSink | GpuSink = lease.sink
         sink.consume()
         try:
@@ -471,7 +513,7 @@ class WritePath:
                 data = await sink.host_bytes()  # a GPU slot is copied to the host first
             except TierError as exc:
                 raise CommandError(f"KV.COMMIT: the reserved slot cannot be read: {exc}") from exc
-            await self.commit_new(lease.key, lease.parent, lease.tokens, None, data, sink)
+            await self.commit_new(lease.key, lease.parent, lease.tokens, None, data, sink, claim)
         finally:
             sink.abort()
 

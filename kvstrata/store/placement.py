@@ -80,7 +80,9 @@ def check_bytes(rec: ChunkRecord, src: Tier, data: Buffer, meta: ChunkMeta | Non
     if shared and meta is not None and (meta.checksum != rec.checksum or meta.size != rec.size):
         raise ObjectChanged(meta)
     if (meta is not None and meta.checksum != rec.checksum) or checksum(data) != rec.checksum:
-        raise ChecksumMismatch(f"{src.name}: checksum mismatch for {rec.key.hex}")
+        claimed = "" if rec.verified else " (the writer's KV.COMMIT DIGEST, never verified)"
+        raise ChecksumMismatch(f"{src.name}: checksum mismatch for {rec.key.hex}{claimed}")
+    rec.verified = True
 
 
 class Placement:

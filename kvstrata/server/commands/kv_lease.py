@@ -48,6 +48,7 @@ from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.kvstore_batch import BatchItem
 from kvstrata.store.leases import Holder
+from kvstrata.tiers.checksum import CHECKSUM_BYTES
 
 if TYPE_CHECKING:
     from kvstrata.store.kvstore import KVStore
@@ -281,8 +282,18 @@ async def kv_mreserve(ctx: Ctx, args: Args) -> Reply:
     "to DRAM), then it becomes visible (and is written to write-through tiers). With index "
     "arguments (positions in the KV.MRESERVE request), only those chunks of the batch are "
     "published and the others stay reserved, so a writer can publish each chunk as soon as "
-    "it is written; without, every chunk left. The lease ends when no chunk is left.",
-    arguments=(LEASE, Arg("index", "integer", optional=True, multiple=True)),
+    "it is written; without, every chunk left. The lease ends when no chunk is left. DIGEST "
+    "gives the writer's xxh3-128 of each slot (16 bytes, or empty for none; one per index, or "
+    "one for a KV.RESERVE lease): a DRAM slot's digest is kept instead of hashing the slot, "
+    "marked unverified (KV.INFO checksum_verified 0) until the chunk's first copy out of DRAM "
+    "checks it; a wrong digest then drops the chunk as corrupt (INFO kv_digest_failures), "
+    "never serves other bytes. A slot the commit copies anyway (GPU, write-through) is checked "
+    "at once.",
+    arguments=(
+        LEASE,
+        Arg("index", "integer", optional=True, multiple=True),
+        Arg("digest", "string", optional=True, multiple=True, token="DIGEST"),
+    ),
     reply="Simple string OK; -NOLEASE for an unknown, expired or read lease, and for a lease "
     "another connection took (answered as an unknown one, untouched). An expired lease is never "
     "committed: -NOLEASE ... expired, and its slots, kept from reuse while this connection may "
@@ -290,13 +301,35 @@ async def kv_mreserve(ctx: Ctx, args: Args) -> Reply:
     "stay held until they are named, the lease is committed without index or aborted, or the "
     "connection closes). -ERR for an index with no reserved slot in the lease, or any index "
     "with a KV.RESERVE lease. When a chunk of a batch cannot be published, the error names it: "
-    "the chunks named before it are published, it and the rest are discarded.",
+    "the chunks named before it are published, it and the rest are discarded; a DIGEST that "
+    "does not match bytes the commit hashes is such a failure. -ERR for DIGEST arguments that "
+    "are not one per index (one without index), or not 16 bytes or empty.",
 )
 async def kv_commit(ctx: Ctx, args: Args) -> Reply:
     lease_id = _lease_id(args[1])
-    indexes = [int_option(a, "index", 0, 2**31) for a in args[2:]]
-    await store_of(ctx).commit(lease_id, indexes, holder_of(ctx))
+    rest = list(args[2:])
+    digests: list[bytes | None] = []
+    at = next((i for i, a in enumerate(rest) if arg_bytes(a).upper() == b"DIGEST"), None)
+    if at is not None:
+        digests = [_digest(a) for a in rest[at + 1 :]]
+        rest = rest[:at]
+    indexes = [int_option(a, "index", 0, 2**31) for a in rest]
+    if at is not None and len(digests) != max(1, len(indexes)):
+        raise CommandError(
+            f"DIGEST takes one digest per index ({len(indexes)}), or one without index; "
+            f"got {len(digests)}"
+        )
+    await store_of(ctx).commit(lease_id, indexes, holder_of(ctx), digests)
     return OK
+
+
+def _digest(arg: Any) -> bytes | None:
+    raw = arg_bytes(arg)
+    if not raw:
+        return None
+    if len(raw) != CHECKSUM_BYTES:
+        raise CommandError(f"invalid DIGEST: an xxh3-128 digest is {CHECKSUM_BYTES} bytes")
+    return bytes(raw)
 
 
 @command(
