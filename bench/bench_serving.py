@@ -146,6 +146,66 @@ def plot(results: list[Result], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def replay_compare(
+    trace: Path, stats: dict, dram: int, nvme: int, model_dir: Path, measured: Result
+) -> list[str]:
+    """The recorded trace replayed by ``kvstrata simulate``'s engine at the server's capacities:
+    the share of chunk reads each tier served, as the server counted (KV.STATS) and as
+    predicted (points of all reads; a chunk is 32 tokens of the tiny model, so it is also the
+    share of the tokens read from kvstrata)."""
+    from kvstrata.config import OPTIONS
+    from kvstrata.sim.engine import Simulator
+    from kvstrata.sim.replay import replay
+    from kvstrata.sim.trace import read_trace
+    from kvstrata.sim.vtiers import TierSpec
+    from kvstrata.store.policy import tier_policy
+    from tests.simshapes import shares
+
+    vals = {o.name: o.default for o in OPTIONS}
+    specs = [
+        TierSpec("dram", dram, 64e9, 1e-5, tier_policy(vals, "dram")),
+        TierSpec("nvme", nvme, 14e9, 8e-5, tier_policy(vals, "nvme"), int(vals["nvme-slab-max"])),
+    ]
+    sim = Simulator(specs, int(vals["prefetch-concurrency"]))
+    events = list(read_trace(trace))
+    replay(sim, events)
+    ops: dict[str, int] = {}
+    for ev in events:
+        ops[ev.op] = ops.get(ev.op, 0) + 1
+    simulated = {t.name: t.counters.as_dict() for t in sim.tiers}
+    server, model = shares(stats, ["dram", "nvme"]), shares(simulated, ["dram", "nvme"])
+    lines = [
+        f"trace: {len(events)} records " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())),
+        "| chunk reads served by | server (KV.STATS) | simulator (replayed trace) | gap |",
+        "|---|---|---|---|",
+    ]
+    for k in server:
+        gap = abs(server[k] - model[k])
+        lines.append(f"| {k} | {server[k]:.1f} % | {model[k]:.1f} % | {gap:.1f} |")
+    for tier in ("dram", "nvme"):
+        for counter in ("promotions", "demotions", "evictions"):
+            a, b = int(stats[tier][counter]), int(simulated[tier][counter])
+            lines.append(f"| {tier} {counter} (chunks) | {a} | {b} | {abs(a - b)} |")
+    # the TTFT model beside the measured TTFT: this machine measured (--hardware local), the
+    # tiny model's config, one request per KV.MATCH the connector sent
+    from kvstrata.sim.calibrate import local_hardware
+    from kvstrata.sim.economics import model_from_config
+    from kvstrata.sim.replay import Plan, report
+
+    hw = local_hardware(trace.parent)
+    tiny = model_from_config(model_dir / "config.json", 4.0)  # float32 KV
+    plan = Plan(dram, nvme, model=tiny, hardware=hw, mfu=0.5, chunk_tokens=32)
+    rep = report(sim, plan, 1.0, 0)
+    lines += [
+        "",
+        f"TTFT model ({hw.name}, {hw.peak_flops / 1e9:.0f} GFLOP/s measured, MFU 50 %) over the "
+        f"{rep['requests']} KV.MATCH requests: p50 {rep['ttft']['p50'] * 1e3:.1f} ms, p99 "
+        f"{rep['ttft']['p99'] * 1e3:.1f} ms; measured by the client (all requests): p50 "
+        f"{pct(measured.ttft, 0.5) * 1e3:.0f} ms, p99 {pct(measured.ttft, 0.99) * 1e3:.0f} ms",
+    ]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=16)
@@ -155,23 +215,38 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=3)
     ap.add_argument("--host-mib", type=int, default=256, help="CPU tier / kvstrata DRAM")
     ap.add_argument("--plot", help="write a CDF of returning-turn TTFT to this PNG")
+    ap.add_argument(
+        "--trace-file",
+        help="the kvstrata server records its trace here; then it "
+        "is replayed by the simulator and compared with the server's counters",
+    )
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=("vllm", "vllm+cpu", "vllm+kvstrata"),
+        help="run only these contenders (repeatable; verdicts need all three)",
+    )
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     model = build_tiny_llama(Path.home() / ".cache/kvstrata/models/tiny-llama-s0", seed=0)
+    trace = {"trace_file": str(Path(args.trace_file).resolve())} if args.trace_file else {}
     kv = start_process_server(work / "kv", dram_capacity=f"{args.host_mib}MiB",
-                              nvme_capacity="1GiB")  # fmt: skip
+                              nvme_capacity="1GiB", **trace)  # fmt: skip
     py = sys.executable
     host, staging = args.host_mib << 20, STAGING_CHUNKS * CHUNK_BYTES
-    servers = {
-        "vllm": start_vllm(py, model, free_port(), None, work, offload=False),
-        "vllm+cpu": start_vllm(py, model, free_port(), None, work, cpu_bytes=host),
-        "vllm+kvstrata": start_vllm(py, model, free_port(), kv.port, work, cpu_bytes=staging),
+    starts = {
+        "vllm": lambda: start_vllm(py, model, free_port(), None, work, offload=False),
+        "vllm+cpu": lambda: start_vllm(py, model, free_port(), None, work, cpu_bytes=host),
+        "vllm+kvstrata": lambda: start_vllm(
+            py, model, free_port(), kv.port, work, cpu_bytes=staging
+        ),
     }
+    servers = {name: start() for name, start in starts.items() if name in (args.only or starts)}
     try:
         t0 = time.perf_counter()
         wait_ready(list(servers.values()), timeout=900)
-        print(f"3 vLLM servers ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"{len(servers)} vLLM servers ready in {time.perf_counter() - t0:.0f} s", flush=True)
         results = {}
         for name, server in servers.items():
             result = Result(name)
@@ -187,7 +262,16 @@ def main() -> None:
             f"+{args.grow}/turn tokens, host KV memory {args.host_mib} MiB\n"
         )
         print(table(list(results.values())))
-        print("\n" + "\n".join(verdicts(results)))
+        if len(results) == 3:
+            print("\n" + "\n".join(verdicts(results)))
+        if args.trace_file and "vllm+kvstrata" in results:
+            from kvstrata.clients.sync import Client
+
+            stats = Client("127.0.0.1", kv.port).stats()
+            lines = replay_compare(
+                Path(args.trace_file), stats, host, 1 << 30, model, results["vllm+kvstrata"]
+            )
+            print("\n" + "\n".join(lines))
         if args.plot:
             plot(list(results.values()), args.plot)
     finally:

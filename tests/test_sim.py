@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,71 @@ def test_cli_sweep_table_and_progress(capsys: pytest.CaptureFixture[str]) -> Non
     assert "sweep 3/3" in err
 
 
+SWEEP = ["simulate", "--set", "duration=20", "--nvme", "32GiB", "--model", "llama-3-8b",
+         "--sweep", "dram=1GiB..2GiB"]  # fmt: skip
+
+
+def test_cli_plot_without_matplotlib_still_prints_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--plot where matplotlib is not installed: said before the sweep runs (not after it),
+    the table is printed anyway, no PNG, exit status 1."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails, find_spec says None
+    png = tmp_path / "sweep.png"
+    assert cli_main([*SWEEP, "--plot", str(png)]) == 1
+    out, err = capsys.readouterr()
+    assert "needs matplotlib" in err and err.index("needs matplotlib") < err.index("sweep 1/2")
+    assert "dram size" in out and len(out.strip().splitlines()) == 3
+    assert not png.exists() and "Traceback" not in err
+
+
+def test_cli_plot_writes_a_titled_png_and_says_where(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    titles: list[str] = []
+    real = Figure.savefig
+
+    def spy(fig: Figure, *args: object, **kw: object) -> None:
+        titles.append(fig.get_suptitle())
+        titles.extend(f"{a.get_xlabel()}|{a.get_ylabel()}" for a in fig.axes)
+        real(fig, *args, **kw)  # type: ignore[arg-type]
+
+    png = tmp_path / "sweep.png"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Figure, "savefig", spy)
+        assert cli_main([*SWEEP, "--plot", str(png)]) == 0
+    out, err = capsys.readouterr()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {png.resolve()}" in err and "dram size" in out
+    assert "dram size sweep" in titles[0]
+    assert "dram size (GiB)|hit ratio (%)" in titles and any("(ms)" in t for t in titles)
+
+
+def test_cli_hardware_local_measures_this_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--hardware local:DIR measures compute, memory copies and a file in DIR, and the run's
+    economics use those figures (the report names them); a bad spec is a usage error."""
+    argv = ["simulate", "--set", "duration=10", "--dram", "1GiB", "--nvme", "4GiB",
+            "--model", "llama-3-8b", "--json", "--hardware", f"local:{tmp_path}"]  # fmt: skip
+    assert cli_main(argv) == 0
+    out, err = capsys.readouterr()
+    rep = json.loads(out)
+    assert rep["hardware"].startswith("local(") and "GFLOP/s" in err and "nvme" in err
+    assert not list(tmp_path.iterdir())  # the calibration file is gone
+    assert cli_main([*argv[:-1], "gpu9000"]) == 2
+    assert "invalid --hardware" in capsys.readouterr().err
+
+
+def test_cli_plot_needs_a_sweep(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["simulate", "--set", "duration=1", "--dram", "1GiB", "--nvme", "1GiB",
+                     "--plot", "x.png"]) == 2  # fmt: skip
+    assert "--plot draws a sweep" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -203,8 +269,9 @@ def test_cli_usage_errors(
 
 
 def test_server_records_trace_without_payloads(make_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """serve --trace-file: one line per KV.PUT/GET/MGET hash/MATCH/LEASE/SESSION/PREFETCH with
-    sizes and hashes only; replaying it reproduces the hit the server counted."""
+    """serve --trace-file: one line per KV.PUT/GET/MGET hash/MATCH/LEASE (and its release)/
+    SESSION/PREFETCH (KV.MATCH PREFETCH's too; a session's with its chain resolved) with sizes
+    and hashes only; replaying it reproduces the hit the server counted."""
     import redis
 
     path = tmp_path / "trace.jsonl"
@@ -225,10 +292,16 @@ def test_server_records_trace_without_payloads(make_server, tmp_path: Path) -> N
     text = path.read_text()
     assert "SECRET" not in text and payload.hex()[:32] not in text
     ops = [json.loads(line)["op"] for line in text.splitlines()]
-    assert ops == ["put", "match", "get", "get", "get", "lease", "session", "prefetch", "prefetch"]
+    assert ops == [
+        "put", "match", "prefetch", "get", "get", "get", "lease", "release", "session",
+        "prefetch", "prefetch",
+    ]  # fmt: skip
     events = list(read_trace(path))
-    assert events[0].size == len(payload) and events[0].tokens == 256 and events[1].prefetch
-    assert events[6].session == b"u1" and events[8].to == "dram"
+    assert events[0].size == len(payload) and events[0].tokens == 256
+    assert events[2].hashes == (b"\x01",)  # MATCH PREFETCH: the found prefix
+    assert events[6].lease and events[7].lease == events[6].lease
+    assert events[8].session == b"u1" and events[9].hashes == (b"\x01",)  # the session's chain
+    assert events[10].to == "dram"
     sim = _sim(dram=64 << 20)
     from kvstrata.sim.replay import replay
 

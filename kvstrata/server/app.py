@@ -156,6 +156,8 @@ class Server:
         """Build the store (tiers, index rebuild); then commands are no longer refused (the DRAM
         arena goes on warming in the background)."""
         self.store = await _build_store(self.config, self.keyspace, self.events)
+        if self.store is not None:
+            self.store.state.tracer = self.tracer  # the store records what changes placement
         self.strings.kv = self.store  # large plain values live in its tiers
         fastpath.bind_store(self)  # KV.MATCH / KV.MGET on the compiled path
         self.loading = False

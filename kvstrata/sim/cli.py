@@ -3,12 +3,14 @@
 ``kvstrata simulate --trace FILE --dram SIZE --nvme SIZE [--gpu SIZE] [--s3] [--json]`` replays a
 trace; ``--workload FILE.toml`` (and/or ``--set key=value``) generates one instead;
 ``--sweep dram=64GiB..2TiB[:N]`` repeats the run over N sizes (doubling by default) and prints
-one row per size, ``--plot FILE.png`` draws the curve (needs matplotlib: the ``bench`` extra).
+one row per size, ``--plot FILE.png`` draws the curve (needs matplotlib: the ``bench`` extra;
+checked before the sweep: without it the table is still printed, with a warning, status 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -62,6 +64,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-type", default="h100", choices=("h100", "h200"))
     p.add_argument("--nvme-drives", default="1xgen5", choices=("1xgen5", "4xgen5"))
     p.add_argument("--network", default="100g", choices=("100g", "200g", "400g"))
+    p.add_argument(
+        "--hardware",
+        metavar="local[:DIR]",
+        help="measure this machine (about a second: CPU matmul rate, memory copies, a file "
+        "in DIR, default the temp folder) instead of the --gpu-type/--nvme-drives/--network "
+        "presets",
+    )
     p.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation of prefill")
     p.add_argument(
         "--chunk-tokens",
@@ -133,7 +142,7 @@ def _plan(args: argparse.Namespace, **sizes: int | None) -> Plan:
     gpu = sizes.get("gpu", _size(args.gpu, "--gpu"))
     if dram is None or nvme is None:
         raise UsageError("--dram SIZE and --nvme SIZE are required (or swept)")
-    hw = hardware(args.gpu_type, args.nvme_drives, args.network)
+    hw = args.measured or hardware(args.gpu_type, args.nvme_drives, args.network)
     return Plan(
         dram or None,
         nvme or None,
@@ -144,6 +153,23 @@ def _plan(args: argparse.Namespace, **sizes: int | None) -> Plan:
         args.mfu,
         args.chunk_tokens,
     )
+
+
+def _measure(spec: str) -> Any:
+    """``--hardware local[:DIR]``: this machine, measured (``kvstrata.sim.calibrate``)."""
+    kind, _, folder = spec.partition(":")
+    if kind != "local":
+        raise UsageError(f"invalid --hardware {spec!r}: local or local:DIR")
+    if folder and not Path(folder).is_dir():
+        raise UsageError(f"invalid --hardware {spec!r}: {folder} is not a folder")
+    from kvstrata.sim.calibrate import local_hardware
+
+    hw = local_hardware(folder or None)
+    links = ", ".join(
+        f"{t} {bw / 1e9:.1f} GB/s {lat * 1e6:.0f} us" for t, (bw, lat) in hw.links.items()
+    )
+    print(f"measured {hw.name}: {hw.peak_flops / 1e9:.1f} GFLOP/s; {links}", file=sys.stderr)
+    return hw
 
 
 def _pct(ratio: float | None, width: int) -> str:
@@ -213,42 +239,69 @@ def _sweep(args: argparse.Namespace, events: Any, wl: Any) -> list[tuple[int, di
     return rows
 
 
-def plot(tier: str, rows: list[tuple[int, dict[str, Any]]], path: str) -> None:
-    try:
-        import matplotlib
+def plot_problem(path: str) -> str | None:
+    """Why ``--plot path`` could not be drawn (checked before any work), or None."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib (pip install 'kvstrata[bench]'): no PNG will be written"
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        return f"--plot: folder {folder} does not exist: no PNG will be written"
+    return None
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'kvstrata[bench]'") from None
+
+def plot(tier: str, rows: list[tuple[int, dict[str, Any]]], path: str) -> Path:
+    """Draw the sweep (hit ratios, TTFT) into ``path``; the file written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     xs = [s / 2**30 for s, _ in rows]
+    first = rows[0][1]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig.suptitle(f"kvstrata simulate: {tier} size sweep, {first['model']} on {first['hardware']}")
     a.plot(xs, [100 * r["token_hit_ratio"] for _, r in rows], "o-", label="tokens from cache")
-    for name in rows[0][1]["tiers"]:
+    for name in first["tiers"]:
         ys = [r["tiers"][name]["hit_ratio"] for _, r in rows]
-        a.plot(xs, [math.nan if y is None else 100 * y for y in ys], ".--", label=name)
-    a.set(xscale="log", xlabel=f"{tier} GiB", ylabel="hit ratio %")
+        a.plot(xs, [math.nan if y is None else 100 * y for y in ys], ".--", label=f"{name} hits")
+    a.set(xscale="log", xlabel=f"{tier} size (GiB)", ylabel="hit ratio (%)",
+          title="cache hits")  # fmt: skip
     a.legend()
     b.plot(xs, [r["ttft"]["p50"] * 1e3 for _, r in rows], "o-", label="TTFT p50")
     b.plot(xs, [r["ttft"]["p99"] * 1e3 for _, r in rows], "o-", label="TTFT p99")
-    b.set(xscale="log", xlabel=f"{tier} GiB", ylabel="ms")
+    b.set(xscale="log", xlabel=f"{tier} size (GiB)", ylabel="time to first token (ms)",
+          title="prefill with the cache")  # fmt: skip
     b.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    out = Path(path).resolve()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.plot and not args.sweep:
+            raise UsageError("--plot draws a sweep: give --sweep TIER=LO..HI too")
+        # optional dependencies before the work: a missing one costs a warning, not the sweep
+        problem = plot_problem(args.plot) if args.plot else None
+        if problem:
+            print(f"kvstrata simulate: {problem}", file=sys.stderr)
+        args.measured = _measure(args.hardware) if args.hardware else None
         events, wl = _inputs(args)
         if args.sweep:
+            tier = parse_sweep(args.sweep)[0]
             rows = _sweep(args, events, wl)
-            if args.plot:
-                plot(parse_sweep(args.sweep)[0], rows, args.plot)
             if args.json:
                 print(json.dumps({"sweep": [{"size": s, **r} for s, r in rows]}))
             else:
-                print(sweep_table(parse_sweep(args.sweep)[0], rows))
+                print(sweep_table(tier, rows))
+            if args.plot and problem is None:
+                print(f"plot written to {plot(tier, rows, args.plot)}", file=sys.stderr)
+            elif problem:
+                print(f"kvstrata simulate: {problem}", file=sys.stderr)
+                return 1
             return 0
         rep = run(_plan(args), events, wl)
     except (UsageError, TraceError, ValueError, OSError) as exc:

@@ -7,8 +7,9 @@ chunks a prefetch queues, a session's chain) is taken by the same functions the 
 (``kvstrata.store.policy``) over the same :class:`~kvstrata.store.index.ChunkIndex` and
 :class:`~kvstrata.store.lru.LruHeap`. Where the server moves bytes in the background (the
 demoter, prefetch workers) the simulator moves them at once, after the command that caused
-them; the time they would take is charged to the link they cross (:attr:`Simulator.links`) and
-to prefetch timeliness.
+them (or, replaying a trace with the server's ``demote`` marks, the demoter's rounds at those
+marks: :attr:`Simulator.demoter`); the time they would take is charged to the link they
+cross (:attr:`Simulator.links`) and to prefetch timeliness.
 """
 
 from __future__ import annotations
@@ -32,7 +33,15 @@ from kvstrata.store.policy import (
 from kvstrata.store.sessions import SessionTable
 
 MAX_CHAIN = 65_536
+#: chunks a lease promotes at once (``kvstore_read._AHEAD``)
+LEASE_AHEAD = 8
 _NO_SUM = b"\0" * 8  # records carry no checksum: there are no bytes
+
+
+def _slot_key(key: ChunkKey) -> ChunkKey:
+    """A reserved slot's key until its chunk is committed (the chunk's own key may still name
+    an older copy in the same tier)."""
+    return ChunkKey("\0reserved:" + key.namespace, key.hash)
 
 
 @dataclass(slots=True)
@@ -48,7 +57,7 @@ class MatchResult:
 class Simulator:
     """See the module docstring. ``specs`` in any order; they are stacked gpu, dram, nvme, s3."""
 
-    def __init__(self, specs: Sequence[TierSpec]) -> None:
+    def __init__(self, specs: Sequence[TierSpec], prefetch_concurrency: int = 4) -> None:
         self.tiers = [VTier(s) for s in sorted(specs, key=lambda s: ORDER.index(s.name))]
         self.by_name = {t.name: t for t in self.tiers}
         self.dram = self.by_name.get("dram")
@@ -60,9 +69,21 @@ class Simulator:
         self.sessions = SessionTable(clock=lambda: self.now)
         self.links: dict[str, int] = {}
         self.requests: list[MatchResult] = []
-        self.prefetch = {"requests": 0, "chunks": 0, "bytes": 0, "timely": 0, "late": 0}
+        self.prefetch = {
+            "requests": 0, "chunks": 0, "bytes": 0, "timely": 0, "late": 0, "expired": 0,
+        }  # fmt: skip
         self._ready: dict[ChunkKey, float] = {}
-        self._prefetch_busy = 0.0
+        #: ``prefetch-concurrency``: the server's prefetch workers (channels of the model)
+        self.prefetch_concurrency = prefetch_concurrency
+        self._channels = [0.0] * max(1, prefetch_concurrency)  # when each worker is free
+        self._leases: dict[str, list[ChunkRecord]] = {}
+        #: when the demoter runs: "immediate" (after every command that may need it, as a
+        #: server whose demoter keeps up) or "recorded" (at a trace's ``demote`` marks)
+        self.demoter = "immediate"
+        self._passes: set[int] = set()
+        self._reserved: dict[ChunkKey, int] = {}  # write-lease slots not committed yet
+        #: the recorded demoter round in flight: (tier index, its victims, moving)
+        self._round: tuple[int, list[ChunkRecord]] | None = None
         self.ops = 0
         self.oom = 0
 
@@ -87,44 +108,104 @@ class Simulator:
 
     # -- residency -------------------------------------------------------------------------------
 
-    def _add(self, rec: ChunkRecord, tier: VTier) -> None:
-        tier.used += tier.spec.footprint(rec.size)
+    def _add(self, rec: ChunkRecord, tier: VTier) -> bool:
+        if not tier.take(rec.key, rec.size):
+            return False
         tier.counters.bytes_in += rec.size
         self.index.add_tier(rec, tier.name)
+        return True
 
     def _drop(self, rec: ChunkRecord, tier: VTier) -> None:
-        tier.used -= tier.spec.footprint(rec.size)
+        tier.give(rec.key, rec.size)
         self.index.drop_tier(rec, tier.name)
 
     def _fits(self, i: int, size: int) -> bool:
-        """make_room: move chunks out of tier ``i`` until ``size`` fits; False if stuck."""
+        """``Placement.put_with_room``: move chunks out of tier ``i`` until ``size`` fits;
+        False if stuck. As the server: rounds of victims for what the payload lacks
+        (``make_room``), then, while the tier cannot take the chunk's footprint (an NVMe slot
+        or file is larger than its payload: the server's TierFull), one round of ``size``
+        more each time."""
         tier = self.tiers[i]
         need = tier.spec.footprint(size)
+        if tier.free() >= need:
+            return True  # (an unbounded tier always)
+        if need > tier.capacity:
+            return False
+        while tier.free() < size:
+            if not self._evict_round(i, size - tier.free()):
+                break
         while tier.free() < need:
-            if need > tier.capacity:
+            if not self._evict_round(i, size):
                 return False
-            victims = pick_victims(self.heaps[tier.name], max(1, need - tier.free()))
-            if not victims or not any([self.move_down(r, i) for r in victims]):
-                return tier.free() >= need
         return True
+
+    def _evict_round(self, i: int, need: int) -> bool:
+        """Victims adding up to ``need`` bytes leave tier ``i``; False when none could."""
+        victims = pick_victims(self.heaps[self.tiers[i].name], max(1, need))
+        return bool(victims) and any([self.move_down(r, i) for r in victims])
 
     def put_with_room(self, j: int, rec: ChunkRecord) -> bool:
-        if not self._fits(j, rec.size):
-            return False
-        self._add(rec, self.tiers[j])
-        return True
+        return self._fits(j, rec.size) and self._add(rec, self.tiers[j])
 
     def enforce(self) -> None:
-        """The demoter: every tier above its high watermark goes down to its low one."""
+        """The demoter after a command: every tier above its high watermark goes down to its
+        low one. With ``demoter == "recorded"`` it waits for the trace's ``demote`` marks
+        (:meth:`demote`) instead: the server's demoter lags the writes under load."""
+        if self.demoter == "recorded":
+            return
         for i, tier in enumerate(self.tiers):
             pol = tier.spec.policy
             if not above_high(pol, tier.capacity, tier.used):
                 continue
-            target = (pol.low or 0.0) * tier.capacity
-            while tier.used > target:
-                victims = pick_victims(self.heaps[tier.name], max(1, int(tier.used - target)))
-                if not victims or not any([self.move_down(r, i) for r in victims]):
-                    break
+            while self._demote_round(i):
+                pass
+
+    def demote(self, name: str | None) -> None:
+        """A recorded ``demote`` mark: a round of the server's demoter over tier ``name``
+        starts (``Placement.evict_to``): victims adding up to what is above the low watermark
+        now, as this simulator's tiers stand (the mark says when, not what). They are written
+        below at once and stay in the tier, moving, until the round's ``demoted`` mark."""
+        self.demoted()
+        tier = self.by_name.get(name or "")
+        if tier is None or tier.spec.shared:
+            return
+        i = self.tiers.index(tier)
+        target = (tier.spec.policy.low or 0.0) * tier.capacity
+        if tier.capacity <= 0 or tier.used <= target:
+            return
+        moving = []
+        for rec in pick_victims(self.heaps[tier.name], max(1, int(tier.used - target))):
+            if tier.name in rec.tiers and self._keep_below(rec, i):
+                rec.moving = True
+                moving.append(rec)
+            elif rec.alive and tier.name in rec.tiers:
+                self._changed(rec, tier.name)
+        self._round = (i, moving)
+
+    def demoted(self) -> None:
+        """The demoter's round ends (its ``demoted`` mark, or the next round's start): the
+        victims' copies leave, unless leased, read or given a child in the tier meanwhile."""
+        if self._round is None:
+            return
+        i, moving = self._round
+        self._round = None
+        name = self.tiers[i].name
+        for rec in moving:
+            rec.moving = False
+            if rec.alive and name in rec.tiers:
+                if rec.leases or rec.pins or not rec.is_leaf_in(name):
+                    self._changed(rec, name)
+                else:
+                    self._leave(rec, i)
+
+    def _demote_round(self, i: int) -> bool:
+        """One round toward the low watermark; False when at it, or when nothing can leave."""
+        tier = self.tiers[i]
+        target = (tier.spec.policy.low or 0.0) * tier.capacity
+        if tier.capacity <= 0 or tier.used <= target:
+            return False
+        victims = pick_victims(self.heaps[tier.name], max(1, int(tier.used - target)))
+        return bool(victims) and any([self.move_down(r, i) for r in victims])
 
     def move_down(self, rec: ChunkRecord, i: int) -> bool:
         """Placement.move_down: write back below tier ``i`` when needed, drop the copy."""
@@ -133,13 +214,17 @@ class Simulator:
             if rec.alive and src.name in rec.tiers:
                 self._changed(rec, src.name)
             return False
+        self._leave(rec, i)
+        return True
+
+    def _leave(self, rec: ChunkRecord, i: int) -> None:
+        src = self.tiers[i]
         self._drop(rec, src)
         if leaving_counter(rec) == "demotions":
             src.counters.demotions += 1
         else:
             src.counters.evictions += 1
             self.index.remove(rec)
-        return True
 
     def _keep_below(self, rec: ChunkRecord, i: int) -> bool:
         src = self.tiers[i]
@@ -179,9 +264,8 @@ class Simulator:
                 rec.moving = False
             if not room:
                 return False
-        if not rec.alive or dst.name in rec.tiers:
+        if not rec.alive or dst.name in rec.tiers or not self._add(rec, dst):
             return False
-        self._add(rec, dst)
         src.counters.bytes_out += rec.size
         dst.counters.promotions += 1
         self._link(src.name, dst.name, rec.size)
@@ -195,6 +279,7 @@ class Simulator:
         old = self.index.get(key)
         if old is not None:
             if old.size == size:
+                self.abort(ns, h)  # (a slot reserved for it is not needed)
                 return True  # an identical re-put (the trace has no checksums)
             self.delete(old)
         rec = ChunkRecord(key, parent, tokens, size, _NO_SUM, last_access=self.stamp)
@@ -204,7 +289,13 @@ class Simulator:
         for j, tier in enumerate(self.tiers):
             if tier.spec.policy.write_through and tier is not self.dram:
                 placed = self.put_with_room(j, rec) or placed
-        if self.dram is not None and size <= self.dram.capacity:
+        if key in self._reserved and self.dram is not None:  # KV.COMMIT: its slot is there
+            self._reserved.pop(key)
+            self.dram.slots[key] = self.dram.slots.pop(_slot_key(key))
+            self.dram.counters.bytes_in += size
+            self.index.add_tier(rec, self.dram.name)
+            placed = True
+        elif self.dram is not None and size <= self.dram.capacity:
             placed = self.put_with_room(self.tiers.index(self.dram), rec) or placed
         if not placed:
             placed = any(
@@ -218,6 +309,25 @@ class Simulator:
             return False
         self.enforce()
         return True
+
+    def reserve(self, ns: str, h: bytes, size: int) -> bool:
+        """KV.RESERVE / a chunk of KV.MRESERVE: a DRAM slot now (making room), the chunk
+        at its ``put`` (commit)."""
+        key = ChunkKey(ns, h)
+        dram = self.dram
+        if dram is None or key in self._reserved or not self._fits(self.tiers.index(dram), size):
+            return False
+        if not dram.take(_slot_key(key), size):
+            return False
+        self._reserved[key] = size
+        return True
+
+    def abort(self, ns: str, h: bytes) -> None:
+        """A reserved slot given back unpublished."""
+        key = ChunkKey(ns, h)
+        size = self._reserved.pop(key, None)
+        if size is not None and self.dram is not None:
+            self.dram.give(_slot_key(key), size)
 
     def delete(self, rec: ChunkRecord) -> None:
         for name in list(rec.tiers):
@@ -271,12 +381,17 @@ class Simulator:
             self.prefetch_chain(ns, found)
         return len(found)
 
-    def lease(self, ns: str, hashes: Sequence[bytes], tier: str | None = None) -> int:
-        """KV.LEASE: promote the leading chunks into the lease tier, count a hit there each
-        (the simulator releases at once: a lease holds nothing between commands)."""
+    def lease(
+        self, ns: str, hashes: Sequence[bytes], tier: str | None = None, lease_id: str = ""
+    ) -> int:
+        """KV.LEASE: promote the leading chunks into the lease tier, count a hit there each.
+        With ``lease_id`` (a recorded trace) the chunks stay leased, so never victims, until
+        its ``release``; without (a generated workload) the lease ends at once."""
         target = self.by_name.get(tier or ("gpu" if self.gpu else "dram"))
         if target is None or self.dram is None:
             return 0
+        self._promote_ahead(ns, hashes, target)
+        held: list[ChunkRecord] = []
         n = 0
         for h in hashes:
             rec = self.index.get(ChunkKey(ns, h))
@@ -291,8 +406,47 @@ class Simulator:
             where.counters.hits += 1
             self._link(where.name, "engine", rec.size)
             n += 1
+            if lease_id:
+                rec.leases += 1
+                held.append(rec)
+        if held:
+            self._leases[lease_id] = held
         self.enforce()
         return n
+
+    def _promote_ahead(self, ns: str, hashes: Sequence[bytes], target: VTier) -> None:
+        """``ReadPath._promote_ahead``: when two or more leading chunks are below the lease
+        tier and fit in half of it, they are promoted together, room made for up to
+        :data:`LEASE_AHEAD` of them in one round (the server's room maker serves its waiters
+        so), before any of them is pinned."""
+        below: list[ChunkRecord] = []
+        for h in hashes:
+            rec = self.index.get(ChunkKey(ns, h))
+            if rec is None or not rec.tiers:
+                break
+            if target.name not in rec.tiers:
+                below.append(rec)
+        if len(below) < 2 or sum(r.size for r in below) > target.capacity // 2:
+            return
+        for start in range(0, len(below), LEASE_AHEAD):
+            group = below[start : start + LEASE_AHEAD]
+            self._room_for_group(group, target)
+            for rec in group:
+                self._ensure(rec, target)
+
+    def release(self, lease_id: str) -> None:
+        """The end of a recorded lease (KV.RELEASE, expiry, a closed connection)."""
+        for rec in self._leases.pop(lease_id, ()):
+            rec.leases -= 1
+            if rec.alive:
+                for name in rec.tiers:
+                    self._changed(rec, name)  # a victim candidate again
+
+    def delete_key(self, ns: str, h: bytes) -> None:
+        """A recorded deletion (KV.DEL, DEL, expiry by TTL, a replacing PUT)."""
+        rec = self.index.get(ChunkKey(ns, h))
+        if rec is not None:
+            self.delete(rec)
 
     def _ensure(self, rec: ChunkRecord, target: VTier) -> VTier | None:
         if target.name in rec.tiers or self.copy_into(rec, target, make_room=True):
@@ -309,32 +463,57 @@ class Simulator:
         chain = chain_to(entry.tail, lambda h: self.index.get(ChunkKey(ns, h)), MAX_CHAIN)
         return self.prefetch_chain(ns, chain, to)
 
-    def prefetch_chain(self, ns: str, hashes: Sequence[bytes], to: str | None = None) -> int:
-        """KV.PREFETCH: the server's choice of chunks, moved at once; each chunk is ready when
-        the prefetch channel (one after the other, at the source link's bandwidth) gets it."""
+    def prefetch_chain(
+        self, ns: str, hashes: Sequence[bytes], to: str | None = None, deadline_ms: int = 0
+    ) -> int:
+        """KV.PREFETCH as the server's scheduler runs it: the chunks it would queue
+        (``prefetch_todo``), moved root first by :attr:`prefetch_concurrency` workers. Room is
+        made for a group of that many at once (the writers' room maker serves its waiters
+        together), each chunk is touched when it lands; each worker is a channel at the source
+        link's latency and bandwidth, which gives every chunk its ready time (``timely`` /
+        ``late`` when used); with a deadline, chunks that could not start before it are
+        abandoned and the request counts ``expired``. The moves are done at once (their
+        placement effects); only their timing is modelled."""
         target = self.by_name.get(to or "dram")
         if target is None or target.spec.shared:
             return 0
         budget = prefetch_budget(target.spec.policy, target.capacity)
         todo = prefetch_todo(hashes, lambda h: self.index.get(ChunkKey(ns, h)), target.name, budget)
         self.prefetch["requests"] += 1
+        end = self.now + deadline_ms / 1000 if deadline_ms > 0 else None
+        records = [r for r in map(lambda h: self.index.get(ChunkKey(ns, h)), todo) if r]
         moved = 0
-        for h in todo:
-            rec = self.index.get(ChunkKey(ns, h))
-            if rec is None:
-                continue
-            src = next((t for t in self.tiers if t.name in rec.tiers), None)
-            if src is None or not self._ensure(rec, target):
-                continue
-            rec.last_access = self.stamp
-            start = max(self.now, self._prefetch_busy)
-            self._prefetch_busy = start + src.spec.latency + rec.size / src.spec.bandwidth
-            self._ready[rec.key] = self._prefetch_busy
-            self.prefetch["chunks"] += 1
-            self.prefetch["bytes"] += rec.size
-            moved += 1
+        width = max(1, self.prefetch_concurrency)
+        for start in range(0, len(records), width):
+            group = records[start : start + width]
+            if end is not None and min(self._channels) > end:
+                self.prefetch["expired"] += 1  # the turn loads the rest itself
+                break
+            self._room_for_group(group, target)
+            for rec in group:
+                src = next((t for t in self.tiers if t.name in rec.tiers), None)
+                if src is None or not self._ensure(rec, target):
+                    continue
+                moved += 1
+                self.stamp += 1e-6  # landed one after the other: distinct LRU stamps
+                rec.last_access = self.stamp
+                i = self._channels.index(min(self._channels))
+                begin = max(self.now, self._channels[i])
+                self._channels[i] = begin + src.spec.latency + rec.size / src.spec.bandwidth
+                self._ready[rec.key] = self._channels[i]
+                self.prefetch["chunks"] += 1
+                self.prefetch["bytes"] += rec.size
         self.enforce()
         return moved
+
+    def _room_for_group(self, group: Sequence[ChunkRecord], target: VTier) -> None:
+        """One round of victims for chunks that wait for room in ``target`` together."""
+        below = [r for r in group if target.name not in r.tiers]
+        need = sum(target.spec.footprint(r.size) for r in below) - target.free()
+        if len(below) > 1 and need > 0:
+            j = self.tiers.index(target)
+            for victim in pick_victims(self.heaps[target.name], need):
+                self.move_down(victim, j)
 
     def _arrived(self, rec: ChunkRecord) -> None:
         """A prefetched chunk is used: was it there in time?"""

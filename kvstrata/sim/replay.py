@@ -39,7 +39,8 @@ def tier_specs(plan: Plan, hw: Hardware, values: dict | None = None) -> list[Tie
     for name, size in (("gpu", plan.gpu), ("dram", plan.dram), ("nvme", plan.nvme)):
         if size is not None:
             bw, lat = hw.links[name]
-            out.append(TierSpec(name, size, bw, lat, tier_policy(vals, name)))
+            slab = int(vals.get("nvme-slab-max") or 0) if name == "nvme" else 0
+            out.append(TierSpec(name, size, bw, lat, tier_policy(vals, name), slab))
     if plan.s3:
         bw, lat = hw.links["s3"]
         out.append(TierSpec("s3", 0, bw, lat, tier_policy(vals, "s3")))
@@ -47,7 +48,11 @@ def tier_specs(plan: Plan, hw: Hardware, values: dict | None = None) -> list[Tie
 
 
 def replay(sim: Simulator, events: Iterable[Event]) -> int:
-    """Feed trace events to the simulator; the chunk operations done."""
+    """Feed trace events to the simulator; the chunk operations done. A trace that carries the
+    server's ``demote`` marks runs the simulated demoter at them (``sim.demoter``); pass a
+    list, or set ``sim.demoter`` first when streaming."""
+    if isinstance(events, list) and any(ev.op == "demote" for ev in events):
+        sim.demoter = "recorded"
     n = 0
     for ev in events:
         sim.tick(ev.t)
@@ -62,16 +67,29 @@ def replay(sim: Simulator, events: Iterable[Event]) -> int:
             sim.match(ev.ns, ev.hashes, ev.tokens, ev.prefetch)
             n += len(ev.hashes)
         elif op == "lease":
-            sim.lease(ev.ns, ev.hashes, ev.to)
+            sim.lease(ev.ns, ev.hashes, ev.to, ev.lease)
             n += len(ev.hashes)
+        elif op == "release":
+            sim.release(ev.lease)
+        elif op == "reserve":
+            sim.reserve(ev.ns, ev.hashes[0], ev.size)
+        elif op == "abort":
+            sim.abort(ev.ns, ev.hashes[0])
+        elif op == "demote":
+            sim.demote(ev.to)
+        elif op == "demoted":
+            sim.demoted()
+        elif op == "del":
+            sim.delete_key(ev.ns, ev.hashes[0])
+            n += 1
         elif op == "session":
             assert ev.session is not None
-            sim.session(ev.ns, ev.session, ev.hashes[0])
+            sim.session(ev.ns, ev.session, ev.hashes[0], ev.ttl or 3_600_000)
             n += 1
-        elif ev.session is not None:
+        elif ev.session is not None and not ev.hashes:
             n += sim.prefetch_session(ev.ns, ev.session, ev.to) + 1
         else:
-            sim.prefetch_chain(ev.ns, ev.hashes, ev.to)
+            sim.prefetch_chain(ev.ns, ev.hashes, ev.to, ev.deadline)
             n += len(ev.hashes)
     return n
 
@@ -185,7 +203,9 @@ def report(sim: Simulator, plan: Plan, wall: float, chunk_ops: int) -> dict:
 def run(plan: Plan, events: list[Event] | None, wl: Workload | None) -> dict:
     """One simulation of a trace (``events``) or a workload with ``plan``'s tiers."""
     assert plan.model is not None and plan.hardware is not None
-    sim = Simulator(tier_specs(plan, plan.hardware))
+    sim = Simulator(
+        tier_specs(plan, plan.hardware), int(DEFAULTS["prefetch-concurrency"] or 4)
+    )
     start = time.perf_counter()
     if events is not None:
         n = replay(sim, events)

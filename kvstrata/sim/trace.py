@@ -1,19 +1,49 @@
 """The trace format (JSON Lines) and its recorder (``kvstrata serve --trace-file PATH``).
 
-One JSON object per line, one line per KV command, payloads never recorded::
+One JSON object per line, one line per placement-changing operation, payloads never recorded::
 
+    {"t": 0.0131, "op": "reserve", "ns": "llama", "hash": "9f…", "size": 1048576}
     {"t": 0.0132, "op": "put", "ns": "llama", "hash": "9f…", "parent": "", "size": 1048576,
      "tokens": 256}
     {"t": 0.0140, "op": "match", "ns": "llama", "hashes": ["9f…", "1c…"], "prefetch": false}
     {"t": 0.0141, "op": "get", "ns": "llama", "hash": "9f…"}
-    {"t": 0.0150, "op": "lease", "ns": "llama", "hashes": ["9f…"], "to": null}
+    {"t": 0.0150, "op": "lease", "ns": "llama", "hashes": ["9f…"], "to": "dram", "lease": "r7"}
+    {"t": 0.0151, "op": "release", "ns": "llama", "hashes": [], "lease": "r7"}
     {"t": 0.0152, "op": "session", "ns": "llama", "session": "user-1", "hash": "1c…"}
-    {"t": 30.02, "op": "prefetch", "ns": "llama", "session": "user-1", "to": null}
-    {"t": 30.03, "op": "prefetch", "ns": "llama", "hashes": ["9f…"], "to": "dram"}
+    {"t": 30.02, "op": "prefetch", "ns": "llama", "hashes": ["9f…", "1c…"], "to": "dram"}
+    {"t": 31.50, "op": "del", "ns": "llama", "hash": "1c…"}
+    {"t": 31.52, "op": "demote", "ns": "", "to": "dram"}
+    {"t": 31.56, "op": "demoted", "ns": "", "to": "dram"}
 
 ``t`` is seconds since the recording started; hashes and parents are hex (``""``: no parent);
 session ids are text (``\\xNN``-escaped when not UTF-8). ``match`` may carry ``tokens`` (the
-prompt's length) for the economics. ``mget`` is written as one ``get`` per hash.
+prompt's length) for the economics; ``put`` may carry ``ttl`` (ms) and ``prefetch`` a
+``deadline`` (ms). A ``prefetch`` with a ``session`` and no hashes asks the simulator to resolve
+the session's chain itself (the generator writes those; the server writes the chain it resolved).
+
+The server records through the store (``StoreState.trace``), from the paths every command takes
+(STYLE rule 19):
+
+- ``reserve``: a write lease's DRAM slot (KV.RESERVE, each chunk of KV.MRESERVE): it takes room
+  before its chunk exists; ``abort``: the slot given back unpublished (KV.ABORT, expiry);
+- ``put``: a chunk's publication (KV.PUT, KV.COMMIT of KV.RESERVE and of KV.MRESERVE: committed
+  chunks only, in commit order), written when the tiers start taking it (a write-through lands
+  in NVMe before the chunk is visible, and the demoter may act on it meanwhile);
+- ``get``: each chunk read (KV.GET, every chunk of KV.MGET), after its lookup;
+- ``match``: the index match (KV.MATCH, KV.MATCHTOKENS);
+- ``lease``/``release``: read leases and their end (KV.RELEASE, expiry, a closed connection);
+- ``session``; ``prefetch``: every prefetch (KV.PREFETCH, of a session, KV.MATCH PREFETCH) with
+  its chain resolved;
+- ``del``: every deletion of a live chunk (KV.DEL, DEL, expiry by TTL, FLUSHALL, a replacing
+  PUT, a failed placement).
+
+Evictions and demotions are not recorded: they are what the simulator computes. Only *when* a
+round of the server's background demoter started and ended is (``demote``/``demoted``, from
+``Placement.evict_to``), because under load it lags the writes (the tiers stay fuller than their
+low watermark meanwhile) and its victims hold their room until their write-back is done: a
+replay with such marks runs the simulated demoter's rounds at them
+(:attr:`~kvstrata.sim.engine.Simulator.demoter`; the victims are still chosen by the simulator,
+from its own tiers), one without runs the demoter after every command.
 """
 
 from __future__ import annotations
@@ -25,7 +55,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-OPS = ("put", "get", "match", "lease", "session", "prefetch")
+OPS = (
+    "put", "get", "match", "lease", "release", "session", "prefetch", "del", "demote", "demoted",
+    "reserve", "abort",
+)  # fmt: skip
+#: ops that name exactly one chunk (``hash``)
+ONE_HASH = ("put", "get", "session", "del", "reserve", "abort")
 
 
 class TraceError(ValueError):
@@ -44,6 +79,9 @@ class Event:
     session: bytes | None = None
     to: str | None = None
     prefetch: bool = False
+    ttl: int = 0  # put, session: ms (0: none)
+    deadline: int = 0  # prefetch: ms (0: none)
+    lease: str = ""  # lease, release: the lease id ("" : no lease was granted)
 
 
 def _hex(value: Any, what: str) -> bytes:
@@ -72,12 +110,12 @@ def parse_event(obj: Any) -> Event:
         hashes = (_hex(obj["hash"], "hash"),)
     else:
         hashes = ()
-    if op in ("put", "get", "session") and len(hashes) != 1:
+    if op in ONE_HASH and len(hashes) != 1:
         raise ValueError(f"{op} needs one hash")
     sid = obj.get("session")
     size = int(obj.get("size", 0))
-    if op == "put" and size <= 0:
-        raise ValueError("put needs a positive size")
+    if op in ("put", "reserve") and size <= 0:
+        raise ValueError(f"{op} needs a positive size")
     return Event(
         t=t,
         op=op,
@@ -89,6 +127,9 @@ def parse_event(obj: Any) -> Event:
         session=None if sid is None else str(sid).encode("utf-8", "surrogateescape"),
         to=obj.get("to"),
         prefetch=bool(obj.get("prefetch", False)),
+        ttl=int(obj.get("ttl", 0)),
+        deadline=int(obj.get("deadline", 0)),
+        lease=str(obj.get("lease", "")),
     )
 
 
@@ -106,20 +147,28 @@ def read_trace(path: str | Path) -> Iterator[Event]:
 
 def event_dict(ev: Event) -> dict[str, Any]:
     out: dict[str, Any] = {"t": round(ev.t, 6), "op": ev.op, "ns": ev.ns}
-    if ev.op in ("put", "get", "session"):
+    if ev.op in ONE_HASH:
         out["hash"] = ev.hashes[0].hex()
-    elif ev.hashes or ev.op != "prefetch":
+    elif ev.hashes or ev.op not in ("prefetch", "demote", "demoted", "release"):
         out["hashes"] = [h.hex() for h in ev.hashes]
     if ev.op == "put":
         out.update(parent=ev.parent.hex(), size=ev.size, tokens=ev.tokens)
+    elif ev.op == "reserve":
+        out["size"] = ev.size
     if ev.session is not None:
         out["session"] = ev.session.decode("utf-8", "backslashreplace")
-    if ev.op in ("lease", "prefetch"):
+    if ev.op in ("lease", "prefetch", "demote", "demoted"):
         out["to"] = ev.to
     if ev.op == "match":
         out["prefetch"] = ev.prefetch
         if ev.tokens:
             out["tokens"] = ev.tokens
+    if ev.ttl:
+        out["ttl"] = ev.ttl
+    if ev.deadline:
+        out["deadline"] = ev.deadline
+    if ev.lease:
+        out["lease"] = ev.lease
     return out
 
 
@@ -132,33 +181,18 @@ def write_trace(events: Iterable[Event], f: IO[str]) -> int:
 
 
 class TraceRecorder:
-    """Appends the server's KV commands to a trace file (line buffered, so a crash loses at
-    most the line being written). One call per command; sizes and hashes only."""
+    """Appends the store's placement-changing operations to a trace file (line buffered, so a
+    crash loses at most the line being written); the store calls :meth:`record` (it is the
+    store's ``Tracer``). Sizes and hashes only."""
 
     def __init__(self, path: str | Path) -> None:
         self._f = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (kept open)
         self._t0 = time.monotonic()
 
-    def record(
-        self,
-        op: str,
-        ns: str,
-        hashes: Sequence[bytes],
-        *,
-        parent: bytes = b"",
-        size: int = 0,
-        tokens: int = 0,
-        session: bytes | None = None,
-        to: str | None = None,
-        prefetch: bool = False,
-    ) -> None:
+    def record(self, op: str, ns: str, hashes: Sequence[bytes], **kw: Any) -> None:
+        """One event; ``kw``: the :class:`Event` fields after ``hashes`` (parent, size, …)."""
         t = time.monotonic() - self._t0
-        ev = Event(t, op, ns, tuple(hashes), parent, size, tokens, session, to, prefetch)
-        if op == "get" and len(hashes) != 1:  # KV.MGET
-            for h in hashes:
-                write_trace([Event(t, "get", ns, (h,))], self._f)
-            return
-        write_trace([ev], self._f)
+        write_trace([Event(t, op, ns, tuple(hashes), **kw)], self._f)
 
     def close(self) -> None:
         self._f.close()

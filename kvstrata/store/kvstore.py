@@ -344,6 +344,7 @@ class KVStore:
                 break
             rec.last_access = stamp
             out.append(rec)
+        state.trace("match", ns, hashes)  # a match refreshes LRU order: it is placement
         return out
 
     def wants_remote(self, found: int, wanted: int) -> bool:

@@ -116,6 +116,7 @@ class PrefetchPath:
 
     def record_session(self, ns: str, session: bytes, tail: bytes, ttl_ms: int | None) -> None:
         ttl = DEFAULT_TTL_MS if ttl_ms is None else ttl_ms
+        self.state.trace("session", ns, [tail], session=session, ttl=ttl)
         self.sessions.record(ns, session, tail, ttl)
         self.shared.record(ns, session, tail, ttl)
 
@@ -130,6 +131,10 @@ class PrefetchPath:
         """Queue a prefetch; (request id, chunks queued), (0, 0) when nothing was queued."""
         name = self.check_target(target)
         todo = self._todo(ns, hashes, name)
+        # every prefetch (KV.PREFETCH, of a session, KV.MATCH PREFETCH) comes here with its
+        # chain resolved: the trace has the chunks the server chose from, not the session;
+        # after the lookups, so that an expiry they caused is recorded first
+        self.state.trace("prefetch", ns, hashes, to=name, deadline=deadline_ms or 0)
         if not todo:
             return 0, 0
         req: PrefetchRequest | None = self.prefetch.submit(ns, todo, name, deadline_ms, session)

@@ -98,6 +98,8 @@ class ReadPath:
                 return NOT_NOW
             for tier in state.tiers:
                 state.counters[tier.name].misses += 1
+            if state.tracer is not None:  # (the hot path builds nothing when not tracing)
+                state.trace("get", ns, (hash,))
             return None
         if rec.moving or dram.name not in rec.tiers:
             return NOT_NOW
@@ -111,9 +113,18 @@ class ReadPath:
         counters = state.counters[dram.name]
         counters.hits += 1
         counters.bytes_out += rec.size
+        if state.tracer is not None:
+            state.trace("get", ns, (hash,))
         return Payload(view, self._unpinner(rec))
 
     async def get(self, ns: str, hash: bytes) -> Payload | None:
+        """KV.GET (and each chunk of KV.MGET) that may need tier I/O."""
+        payload = await self._get(ns, hash)
+        if self.state.tracer is not None:  # after the lookup: an expiry it caused comes first
+            self.state.trace("get", ns, (hash,))
+        return payload
+
+    async def _get(self, ns: str, hash: bytes) -> Payload | None:
         key = ChunkKey(ns, hash)
         state = self.state
         dram = state.dram
@@ -288,6 +299,7 @@ class ReadPath:
             self._unpin_all(records)
             raise
         if not records:
+            state.trace("lease", ns, hashes, to=target)
             return None
         lease = ReadLease(
             id=state.leases.new_id(),
@@ -298,6 +310,7 @@ class ReadPath:
             holder=holder,
         )
         state.leases.add(lease)
+        state.trace("lease", ns, hashes, to=target, lease=lease.id)
         return lease
 
     async def _lease_handle(self, rec: ChunkRecord, target: str) -> Handle | None:
@@ -352,7 +365,9 @@ class ReadPath:
             self.state.unpin(rec)
 
     def end_read_lease(self, lease: ReadLease) -> None:
+        """Every read lease ends here: KV.RELEASE, expiry, its connection closing."""
         self._unpin_all(lease.records)
+        self.state.trace("release", lease.namespace, [], lease=lease.id)
 
     def release(self, lease_id: str, holder: Holder = NO_HOLDER) -> None:
         """KV.RELEASE of ``holder``'s read lease (another holder's is refused like an unknown

@@ -25,9 +25,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 from kvstrata.chunks import ChunkKey
 from kvstrata.config import Config
@@ -83,6 +83,14 @@ class TierCounters:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+class Tracer(Protocol):
+    """Where placement-changing operations are reported (``serve --trace-file``: the recorder
+    in ``kvstrata.sim.trace``). The store calls it from its write, read and delete paths only,
+    so every command that reaches those paths is recorded (STYLE rule 19)."""
+
+    def record(self, op: str, ns: str, hashes: Sequence[bytes], **kw: Any) -> None: ...
+
+
 def is_shared(tier: Tier) -> bool:
     """A tier shared by every node of a cluster (s3): never scanned at start, found on demand,
     and not a local copy (demotion still writes a local one below it)."""
@@ -131,6 +139,8 @@ class StoreState:
         self.digest_failures = 0
         #: commits refused because a DIGEST did not match bytes the commit hashed anyway
         self.digest_refused = 0
+        #: the trace recorder (``trace-file``), None when off: see :meth:`trace`
+        self.tracer: Tracer | None = None
         keyspace.register_type("kvchunk", self._on_keyspace_delete)
 
     # -- lookups ----------------------------------------------------------------------------
@@ -284,6 +294,12 @@ class StoreState:
         except TimeoutError:
             raise BusyError(f"chunk {key.hex} is being written or freed; retry") from None
 
+    def trace(self, op: str, ns: str, hashes: Sequence[bytes], **kw: Any) -> None:
+        """Report one placement-changing operation to the trace recorder (the server's own
+        namespaces are not traced: the simulator knows only client chunks)."""
+        if self.tracer is not None and not ns.startswith(INTERNAL_NS):
+            self.tracer.record(op, ns, hashes, **kw)
+
     # -- creating and retiring records ------------------------------------------------------
 
     def publish(self, rec: ChunkRecord) -> None:
@@ -301,6 +317,9 @@ class StoreState:
         return self._retire_removed(rec)
 
     def _retire_removed(self, rec: ChunkRecord) -> asyncio.Event:
+        # every way a live chunk is deleted passes here: KV.DEL, DEL/UNLINK, expiry by TTL,
+        # FLUSHALL, a replacing PUT, a corrupt copy
+        self.trace("del", rec.key.namespace, [rec.key.hash])
         self.index.remove(rec)
         event = asyncio.Event()
         self.retired[rec.key] = event

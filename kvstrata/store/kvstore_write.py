@@ -128,6 +128,8 @@ class StoreSink:
         if self.done:
             return
         self.done = True
+        if self.owns_claim:  # a write lease's slot given back unpublished (KV.ABORT, expiry)
+            self.state.trace("abort", self.key.namespace, [self.key.hash])
         self._settle()
         if self.state.dram is not None:
             self.state.dram.abort(self.slot_key)
@@ -241,6 +243,7 @@ class WritePath:
         sink.consume()
         try:
             meta = ChunkMeta(key, parent, tokens, sink.view.nbytes, sink.checksum())
+            self._trace_put(meta, ttl_ms)
             self._publish(meta, sink.place(meta), ttl_ms, sink)
         finally:
             state.release_claim(key)
@@ -290,9 +293,13 @@ class WritePath:
                 )
         meta = ChunkMeta(key, parent, tokens, data.nbytes, csum)
         placed: list[str] = []
+        # traced before the tiers take it: a write-through lands in NVMe before the chunk is
+        # published, and the demoter may already act on what it added (a failure: "del")
+        self._trace_put(meta, ttl_ms)
         try:
             await self._place(meta, data, sink, placed)
         except Exception:
+            self.state.trace("del", key.namespace, [key.hash])
             for name in placed:
                 if name != "dram":
                     await self._undo(key, name)
@@ -303,6 +310,14 @@ class WritePath:
         """True when a commit writes the bytes to a tier besides DRAM (write-through)."""
         dram = self.state.dram
         return any(self.state.tiers[j] is not dram for j in self.placement.write_through_tiers())
+
+    def _trace_put(self, meta: ChunkMeta, ttl_ms: int | None) -> None:
+        """KV.PUT, KV.COMMIT of KV.RESERVE and of KV.MRESERVE (in commit order) all come here
+        (``commit_new`` or ``put_sink_now``)."""
+        self.state.trace(
+            "put", meta.key.namespace, [meta.key.hash], parent=meta.parent, size=meta.size,
+            tokens=meta.tokens, ttl=ttl_ms or 0,
+        )  # fmt: skip
 
     def _publish(
         self,
@@ -466,6 +481,8 @@ class WritePath:
             return None
         dram = self.state.dram
         assert dram is not None
+        # KV.RESERVE and KV.MRESERVE: the slot takes DRAM room now, the chunk comes at commit
+        self.state.trace("reserve", key.namespace, [key.hash], size=nbytes)
         return StoreSink(self.state, key, view), dram.reserved_handle(key)
 
     def find_write_lease(

@@ -14,7 +14,7 @@ but for case or one edit (``_near``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from kvstrata.chunks import (
@@ -53,13 +53,6 @@ def store_of(ctx: Ctx) -> KVStore:
     if store is None:
         raise CommandError("the KV store is not available on this server")
     return store
-
-
-def trace(ctx: Ctx, op: str, ns: str, hashes: Sequence[bytes], **kw: Any) -> None:
-    """Record the command for ``kvstrata simulate`` when ``trace-file`` is set."""
-    tracer = ctx.server.tracer
-    if tracer is not None:
-        tracer.record(op, ns, hashes, **kw)
 
 
 def int_option(arg: Any, what: str, lo: int, hi: int) -> int:
@@ -191,8 +184,6 @@ def kv_put(ctx: Ctx, args: Args) -> Reply:
     if not memoryview(payload).nbytes:
         raise CommandError("invalid payload: empty")
     tokens, ttl = token_ids_count(opts), opts.get(b"TTL")
-    size = memoryview(payload).nbytes
-    trace(ctx, "put", ns, [h], parent=parent, size=size, tokens=tokens)
     ids = opts.get(b"TOKENIDS")
     events = store.events if ids is not None else None
     if events is not None and ids is not None:  # ids is not None whenever events is set
@@ -251,7 +242,6 @@ def kv_get(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     h = validate_hash(args[2])
     store = store_of(ctx)
-    trace(ctx, "get", ns, [h])
     payload = store.get_now(ns, h)
     if payload is NOT_NOW:
         return _get_slow(ctx, store, ns, h)  # a coroutine: the connection awaits it, in order
@@ -276,7 +266,6 @@ async def _get_slow(ctx: Ctx, store: KVStore, ns: str, h: bytes) -> Reply:
 async def kv_mget(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     hashes = chain_hashes(ctx, args[2:])
-    trace(ctx, "get", ns, hashes)
     store = store_of(ctx)
     out: list[Reply] = []
     for start in range(0, len(hashes), SLICE):
@@ -322,7 +311,6 @@ def kv_match(ctx: Ctx, args: Args) -> Reply:
         warn_if_option_like("KV.MATCH", arg_bytes(args[end - 1]), _MATCH_WORDS, ctx.client.addr)
     hashes = chain_hashes(ctx, args[2:end])
     store = store_of(ctx)
-    trace(ctx, "match", ns, hashes, prefetch=b"PREFETCH" in flags)
     if len(hashes) > SLICE:
         return _match_sliced(store, ns, hashes, flags)
     records = store.matched(ns, hashes)

@@ -42,7 +42,6 @@ from kvstrata.server.commands.kv import (
     store_of,
     token_ids_option,
     tokens_option,
-    trace,
 )
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
@@ -128,7 +127,6 @@ async def kv_lease(ctx: Ctx, args: Args) -> Reply:
             break
         end -= 2
     hashes = chain_hashes(ctx, args[2:end])
-    trace(ctx, "lease", ns, hashes, to=tier)
     lease = await store_of(ctx).lease(ns, hashes, ttl, tier, holder_of(ctx))
     if lease is None:
         return [None, []]

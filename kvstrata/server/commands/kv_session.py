@@ -31,7 +31,6 @@ from kvstrata.server.commands.kv import (
     chain_hashes,
     int_option,
     store_of,
-    trace,
 )
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
@@ -74,7 +73,6 @@ def kv_session(ctx: Ctx, args: Args) -> Reply:
         if len(args) != 6 or arg_bytes(args[4]).upper() != b"TTL":
             raise syntax_error()
         ttl = int_option(args[5], "TTL", 1, SESSION_TTL_MAX)
-    trace(ctx, "session", ns, [tail], session=session)
     store_of(ctx).record_session(ns, session, tail, ttl)
     return OK
 
@@ -131,14 +129,12 @@ def kv_prefetch(ctx: Ctx, args: Args) -> Reply:
         if end != 4:
             raise syntax_error()
         session = _session_id(args[3])
-        trace(ctx, "prefetch", ns, [], session=session, to=target)
         if store.shares_sessions:  # the session may be recorded on another node: ask S3
             return _prefetch_shared(store, ns, session, target, deadline)
         request_id, queued = store.prefetch_session(ns, session, target, deadline)
         return [request_id, queued]
     end, target, deadline = _trailing_options(args, 2)
     hashes = chain_hashes(ctx, args[2:end])
-    trace(ctx, "prefetch", ns, hashes, to=target)
     request_id, queued = store.prefetch_request(ns, hashes, target, deadline)
     return [request_id, queued]
 
