@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.config import format_size, parse_size
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_format as fmt
 from kvstrata.tiers._nvme_sync import POLICIES
 from kvstrata.tiers.checksum import checksum

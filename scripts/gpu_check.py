@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers.checksum import checksum
 from kvstrata.tiers.dram import DramConfig, DramTier
 from kvstrata.tiers.gpu import GpuConfig, GpuTier

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable
 from multiprocessing import resource_tracker, shared_memory
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.config import Config, load_config
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.keyspace import Keyspace
 from kvstrata.tiers.base import Buffer, ChunkMissing, Tier, TierFull, TierIOError
 from kvstrata.tiers.checksum import checksum

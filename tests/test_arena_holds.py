@@ -10,9 +10,9 @@ import re
 
 import pytest
 
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.protocol.errors import LeaseLimitError
 from kvstrata.store.fences import FencedSlot, FenceTable
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.leases import NO_HOLDER, Holder, LeaseTable, WriteLease
 from kvstrata.tiers.base import Handle
 from kvstrata.tiers.checksum import checksum

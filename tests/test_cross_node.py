@@ -189,7 +189,7 @@ def test_planted_object_with_empty_codec_does_not_break_puts(
     """Scenario: an object planted with boto3 has the right payload checksum but an empty
     kvs-codec. Node B's GET is a miss (counted in s3_invalid_objects, the object stays), and
     30 ordinary KV.PUTs that push DRAM's victims to NVMe all succeed."""
-    from kvstrata.store.keys import ChunkKey
+    from kvstrata.chunks import ChunkKey
     from kvstrata.tiers.checksum import checksum
     from kvstrata.tiers.s3_objects import object_name
 

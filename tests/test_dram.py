@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers import _cuda
 from kvstrata.tiers.base import ChunkMissing, TierError, TierFull, TierUnavailable, build_tier
 from kvstrata.tiers.checksum import checksum

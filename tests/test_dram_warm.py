@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvstrata.store.keys import ChunkKey
+from kvstrata.chunks import ChunkKey
 from kvstrata.tiers import _dram_warm
 from kvstrata.tiers._dram_warm import PAGE, PageWarmer
 from kvstrata.tiers.dram import DramConfig, DramTier

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.server import fastpath
-from kvstrata.store.keys import ChunkKey
 from tests.conftest import RunningServer
 from tests.fakes import cmd
 from tests.test_fastpath import Session, Spy, state

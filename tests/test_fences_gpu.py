@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.protocol.errors import LeaseError
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.kvstore import KVStore
 from kvstrata.store.leases import Holder
 from kvstrata.tiers.gpu import GpuConfig, GpuTier

@@ -28,12 +28,12 @@ import pytest
 import torch
 
 from kvstrata import cudart
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.clients import cuda_ipc, handles
 from kvstrata.clients.aio import AsyncLease, AsyncWriteLease
 from kvstrata.clients.regions import update_regions
 from kvstrata.clients.results import Handle, LeaseGrant, RegionInfo, ReserveGrant, parse_region
 from kvstrata.clients.sync import Lease, WriteLease
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers import _cuda, gpu_nvme, gpu_runtime
 from kvstrata.tiers.base import ChunkMissing, IntegrityError
 from kvstrata.tiers.checksum import checksum

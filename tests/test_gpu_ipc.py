@@ -133,7 +133,7 @@ def test_region_device_by_bus_id_and_one_cudart(gpu_server: Any) -> None:
 
 
 def test_kvikio_truncated_and_missing_files_on_a_real_pool(tmp_path: Path) -> None:
-    from kvstrata.store.keys import ChunkKey, ChunkMeta
+    from kvstrata.chunks import ChunkKey, ChunkMeta
     from kvstrata.tiers.base import ChunkMissing, IntegrityError
     from kvstrata.tiers.checksum import checksum
     from kvstrata.tiers.gpu import GpuConfig, GpuTier

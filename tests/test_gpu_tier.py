@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers.alloc import OffsetAllocator
 from kvstrata.tiers.base import ChunkMissing, IntegrityError, Tier, TierError, TierFull
 from kvstrata.tiers.checksum import checksum

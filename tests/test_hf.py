@@ -13,9 +13,9 @@ pytest.importorskip("transformers")
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from kvstrata.chunks import validate_namespace
 from kvstrata.clients.hf import HFPrefixCache
 from kvstrata.clients.hf_model import model_namespace
-from kvstrata.store.keys import validate_namespace
 from tests.hf_fakes import FakeKVClient, recompute_greedy, recompute_logits, tiny_llama
 
 C = 16  # tokens per chunk

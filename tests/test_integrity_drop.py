@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import redis
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.clients import Client
-from kvstrata.store.keys import ChunkKey
 from kvstrata.tiers.gpu import GpuConfig, GpuTier
 from kvstrata.tiers.gpu_memory import HostMemory
 from tests.conftest import RunningServer

@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 import redis
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.store.hashing import chunk_hashes
-from kvstrata.store.keys import ChunkKey
 from tests.conftest import free_port
 
 NS = "route@bf16@c16"

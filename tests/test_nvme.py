@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_format as fmt
 from kvstrata.tiers._nvme_sync import POLICIES, SYNC_MARKER, GroupSync
 from kvstrata.tiers.base import (
@@ -302,7 +302,7 @@ _WRITER = textwrap.dedent(
     """
     import asyncio, sys
     import numpy as np
-    from kvstrata.store.keys import ChunkKey, ChunkMeta
+    from kvstrata.chunks import ChunkKey, ChunkMeta
     from kvstrata.tiers.checksum import checksum
     from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_format as fmt
 from kvstrata.tiers._nvme_slabs import CLASSES, SLAB_DIR, slot_size_for
 from kvstrata.tiers.base import IntegrityError, TierFull, TierIOError

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from kvstrata.chunks import ChunkMeta
 from kvstrata.config import load_config
-from kvstrata.store.keys import ChunkMeta
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
 from tests.test_nvme_slabs import KiB, MiB, chunk, read, run
 

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.clients.layout import pack_chunk
 from kvstrata.codecs import entropy
-from kvstrata.store.keys import ChunkKey
 from kvstrata.tiers.base import ChunkMissing, IntegrityError
 from kvstrata.tiers.s3 import object_name
 from tests.fakes import make_dram, meta_for, open_store, s3_tier

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from kvstrata.store.keys import ChunkKey
+from kvstrata.chunks import ChunkKey
 from kvstrata.tiers.base import TierIOError
 from kvstrata.tiers.s3 import S3Config, S3Tier, object_name
 from tests.fakes import FakeTier, chain, make_dram, open_store, s3_tier

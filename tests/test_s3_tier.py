@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.config import load_config
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers.base import (
     ChunkMissing,
     IntegrityError,

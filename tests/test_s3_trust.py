@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers.base import ChunkMissing
 from kvstrata.tiers.checksum import checksum
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier

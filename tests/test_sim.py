@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.cli import main as cli_main
 from kvstrata.config import OPTIONS
 from kvstrata.sim.economics import MODELS, hardware, load_seconds, model_from_config
@@ -17,7 +18,6 @@ from kvstrata.sim.trace import Event, read_trace, write_trace
 from kvstrata.sim.vtiers import TierSpec
 from kvstrata.sim.workload import Workload, generate, load_workload
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.policy import tier_policy
 
 KIB = 1024

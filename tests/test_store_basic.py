@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvstrata.store.keys import ChunkKey
+from kvstrata.chunks import ChunkKey
 from tests.fakes import FakeTier, chain, make_dram, open_store
 
 NS = "llama@bf16@c4"

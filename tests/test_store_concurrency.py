@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvstrata.store.keys import ChunkKey
+from kvstrata.chunks import ChunkKey
 from tests.fakes import FakeTier, make_dram, open_store
 
 NS = "m@c4"

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.protocol.errors import OutOfMemoryError
-from kvstrata.store.keys import ChunkKey
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier
 from tests.fakes import FakeTier, chain, make_dram, open_store, wait_until
 

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.config import load_config
 from kvstrata.protocol.errors import CommandError
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace
 from kvstrata.store.kvstore import KVStore
 from kvstrata.tiers import gpu as gpu_module

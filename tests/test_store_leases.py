@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.protocol.errors import BusyError, CommandError, LeaseError
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.leases import LeaseTable, ReadLease
 from tests.fakes import chain, open_store, wait_until
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from kvstrata.chunks import validate_parent
 from kvstrata.protocol.errors import CommandError
-from kvstrata.store.keys import validate_parent
 from tests.fakectx import FakeServer
 from tests.fakes import open_store
 

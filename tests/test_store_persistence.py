@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from kvstrata.store.keys import ChunkKey
+from kvstrata.chunks import ChunkKey
 from kvstrata.store.keyspace import Keyspace
 from kvstrata.store.kvstore import KVStore
 from kvstrata.tiers.nvme import NvmeConfig, NvmeTier

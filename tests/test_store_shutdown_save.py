@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvstrata.store.keys import ChunkKey
+from kvstrata.chunks import ChunkKey
 from kvstrata.store.keyspace import Keyspace
 from kvstrata.store.kvstore import KVStore
 from kvstrata.tiers.gpu import GpuConfig, GpuTier

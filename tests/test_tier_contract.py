@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers.base import ChunkMissing, Tier, TierError, TierFull
 from kvstrata.tiers.checksum import checksum
 

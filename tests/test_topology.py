@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from kvstrata.store.keys import ChunkKey
+from kvstrata.chunks import ChunkKey
 from kvstrata.tiers.s3 import object_name
 from tests.conftest import RunningServer, free_port
 

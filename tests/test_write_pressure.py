@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.protocol.errors import OutOfMemoryError
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers.base import Buffer, TierError
 from tests.fakes import FakeTier, make_dram, open_store
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.store.keys import MAX_NAMESPACE_BYTES
+from kvstrata.chunks import MAX_NAMESPACE_BYTES
 
 __all__ = ["gather", "key_hash", "namespace_of", "pointer_array", "scatter"]
 

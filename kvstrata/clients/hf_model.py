@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from kvstrata.chunks import validate_namespace
 from kvstrata.clients.codecs import get_codec
-from kvstrata.store.keys import validate_namespace
 
 __all__ = ["KVGeometry", "kv_geometry", "model_namespace", "weights_fingerprint"]
 

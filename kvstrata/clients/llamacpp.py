@@ -47,6 +47,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama_cache import BaseLlamaCache
 
+from kvstrata.chunks import validate_namespace
 from kvstrata.clients.handles import RegionMapError
 from kvstrata.clients.llamacpp_state import (
     KVLayout,
@@ -57,7 +58,6 @@ from kvstrata.clients.llamacpp_state import (
 )
 from kvstrata.protocol.errors import LeaseLimitError
 from kvstrata.store.hashing import chunk_hashes
-from kvstrata.store.keys import validate_namespace
 
 __all__ = [
     "KvstrataLlamaCache",

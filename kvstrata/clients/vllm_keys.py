@@ -24,7 +24,7 @@ import os
 import re
 from typing import Any
 
-from kvstrata.store.keys import MAX_NAMESPACE_BYTES, validate_namespace
+from kvstrata.chunks import MAX_NAMESPACE_BYTES, validate_namespace
 
 __all__ = [
     "layout_fields",

@@ -21,7 +21,7 @@ import secrets
 import signal
 import ssl
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.config import Config, ConfigError
 from kvstrata.datadir import FolderLock, lock_folders
@@ -34,6 +34,9 @@ from kvstrata.sim.trace import TraceRecorder
 from kvstrata.store.keyspace import Keyspace
 from kvstrata.store.strings import StringStore
 
+if TYPE_CHECKING:
+    from kvstrata.store.kvstore import KVStore
+
 log = logging.getLogger("kvstrata.server")
 
 CRON_INTERVAL = 0.1
@@ -45,7 +48,7 @@ class Server:
         self.config_file = config_file
         self.keyspace = Keyspace()
         self.strings = StringStore(self.keyspace, config)
-        self.store: Any = None
+        self.store: KVStore | None = None
         self.registry = load_all()
         self.clients: dict[int, Connection] = {}
         self.stats = ServerStats()

@@ -1,5 +1,8 @@
 """One client connection: receive, decode, dispatch in order, encode, flow control.
 
+Running one command (its spec, the handler, stats and slow log, async completion) is the
+``Dispatch`` mixin's (``dispatch``); this module feeds it commands in pipeline order.
+
 The protocol callbacks never await. Synchronous handlers run inline; an ``async def`` handler
 runs as a task and the commands behind it wait (replies stay in pipeline order). Reading
 pauses while an async command runs and more than :data:`HIGH_WATER` bytes are buffered, and
@@ -16,32 +19,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from time import monotonic, perf_counter
-from types import CoroutineType
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.protocol.encoder import encode_reply, join_small
-from kvstrata.protocol.errors import (
-    CommandError,
-    LoadingError,
-    NoAuthError,
-    ProtocolError,
-    RespError,
-    wrong_arity,
-)
+from kvstrata.protocol.errors import ProtocolError, RespError
 from kvstrata.protocol.frames import NO_REPLY, Simple
 from kvstrata.server.admission import fmt_addr, refusal
 from kvstrata.server.backlog import ReplyBacklog
 from kvstrata.server.context import ClientState
+from kvstrata.server.dispatch import _NO_SINKS, Dispatch
 from kvstrata.server.fastpath import usable
 from kvstrata.server.fastread import FLUSH_PARTS, FastRead
 from kvstrata.server.intake import Intake, WithSinks, abort_sinks
-from kvstrata.server.pins import ReplyPins, release_each, release_now
+from kvstrata.server.pins import ReplyPins, release_each
 from kvstrata.server.writeside import WriteSide
 
 if TYPE_CHECKING:
     from kvstrata.server.app import Server
-    from kvstrata.server.registry import CommandSpec
 
 log = logging.getLogger("kvstrata.server")
 
@@ -50,12 +45,9 @@ QUEUE_AHEAD = 1024  # commands decoded ahead while the client does not read its 
 UNAUTH_MAX_BULK = 16 * 1024  # frame limits before AUTH (as Redis 7)
 UNAUTH_MAX_ARGS = 10
 JOIN_LIMIT = 64 * 1024  # replies up to this size are joined into one write
-_NO_SINKS: dict[int, Any] = {}
-#: as Redis: AUTH/HELLO and admin commands (CONFIG SET requirepass …) are not shown to MONITOR
-_NOT_MONITORED = frozenset({"no_auth", "admin"})
 
 
-class Connection(FastRead, WriteSide, asyncio.BufferedProtocol):
+class Connection(FastRead, WriteSide, Dispatch, asyncio.BufferedProtocol):
     """Implements ``server.context.Ctx`` for the handlers."""
 
     def __init__(self, server: Server) -> None:
@@ -266,114 +258,6 @@ class Connection(FastRead, WriteSide, asyncio.BufferedProtocol):
             log.exception("payload sink of %s failed", spec.name)
             return None
 
-    # -- dispatch -------------------------------------------------------------------------
-    def _execute(self, args: list[Any], sinks: dict[int, Any]) -> None:
-        """Run one command and queue its reply. This is the hot path: keep it lean."""
-        server = self.server
-        try:
-            spec = server.fast_specs.get(args[0])
-        except (TypeError, ValueError):  # a name that arrived as a large bulk (unhashable)
-            spec = None
-        if (
-            spec is None
-            or (spec.arity > 0 and len(args) != spec.arity)
-            or len(args) < -spec.arity
-            or not self.client.authenticated
-            or server.loading
-        ):
-            try:
-                spec = self._resolve(server.registry.lookup(args[0]), args)
-            except RespError as exc:
-                self._abort_sinks(sinks)
-                server.cmdstats.reject_args(server.registry, args)
-                self._reply_error(exc)
-                return
-        if server.monitors and not spec.flags & _NOT_MONITORED:
-            server.feed_monitors(self, args)
-        self.client.last_command = spec.name
-        self.sinks = sinks
-        started = perf_counter()
-        try:
-            result = spec.handler(self, args)  # type: ignore[misc]
-        except RespError as exc:
-            result = exc
-        except Exception as exc:  # a bug must not kill the connection
-            result = self._internal_error(spec, exc)
-        # A sync handler may return a coroutine when it needs I/O only sometimes (KV.MATCH
-        # asking S3 about the part of a chain not held locally): it then runs like an async one.
-        if spec.is_async or type(result) is CoroutineType:
-            self._busy = True
-            self._task = asyncio.ensure_future(self._finish_async(result, spec, args, started))
-            return
-        if sinks:
-            self.sinks = _NO_SINKS
-            self._abort_sinks(sinks)
-        elapsed = perf_counter() - started
-        server.cmdstats.record(spec.name, elapsed, isinstance(result, RespError))
-        t = type(result)
-        if t is bytes or t is Simple or t is int or result is None:
-            encode_reply(result, self._resp3, self._out)
-        else:
-            self._reply(result)
-        if elapsed > self._slow:
-            server.slowlog_record(started, args, self.client)
-
-    def _internal_error(self, spec: CommandSpec, exc: Exception) -> CommandError:
-        log.exception("command %s failed", spec.name)
-        self.server.stats.unexpected_errors += 1
-        return CommandError(f"internal error in '{spec.wire_name}': {exc}")
-
-    def _resolve(self, spec: CommandSpec | None, args: list[Any]) -> CommandSpec:
-        if spec is None:
-            raise _unknown_command(args)
-        if spec.subcommands and (len(args) >= 2 or spec.handler is None):
-            if len(args) < 2:
-                raise wrong_arity(spec.name)
-            sub = spec.subcommands.get(bytes(args[1]).upper().decode("utf-8", "replace"))
-            if sub is None:
-                raise CommandError(f"unknown subcommand '{_trunc(args[1])}'. Try {spec.name} HELP.")
-            spec = sub
-        arity = spec.arity
-        if (arity > 0 and len(args) != arity) or len(args) < -arity:
-            raise CommandError(f"wrong number of arguments for '{spec.name.lower()}' command")
-        if not self._authenticated() and "no_auth" not in spec.flags:
-            raise NoAuthError("Authentication required.")
-        if self.server.loading and "loading" not in spec.flags:
-            raise LoadingError()  # as Redis: only commands flagged `loading` run meanwhile
-        return spec
-
-    async def _finish_async(
-        self, coro: Any, spec: CommandSpec, args: list[Any], started: float
-    ) -> None:
-        sinks = self.sinks
-        try:
-            result = await coro if asyncio.iscoroutine(coro) else coro
-        except RespError as exc:
-            result = exc
-        except Exception as exc:
-            result = self._internal_error(spec, exc)
-        finally:
-            self.sinks = _NO_SINKS
-            if sinks:
-                self._abort_sinks(sinks)
-        self._busy = False
-        self._task = None
-        self.server.cmdstats.record(
-            spec.name, perf_counter() - started, isinstance(result, RespError)
-        )
-        if self._closing:
-            release_now(result)
-            return
-        try:
-            self._reply(result)
-            if perf_counter() - started > self.server.slowlog_threshold:
-                self.server.slowlog_record(started, args, self.client)
-            self._process()
-        except Exception:  # a bug here must not leave the connection silently stuck
-            log.exception("connection %s failed after %s", self.client.addr, spec.name)
-            self.server.stats.unexpected_errors += 1
-            self.kill()
-
     # -- output ---------------------------------------------------------------------------
     def _reply(self, value: Any) -> None:
         if value is NO_REPLY:
@@ -496,15 +380,3 @@ def _fileno(transport: asyncio.BaseTransport) -> int:
         return int(sock.fileno()) if sock is not None else -1
     except (OSError, ValueError):
         return -1
-
-
-def _trunc(arg: Any, limit: int = 128) -> str:
-    return bytes(arg[:limit]).decode("utf-8", "replace")
-
-
-def _unknown_command(args: list[Any]) -> CommandError:
-    rest = " ".join(f"'{_trunc(a)}'" for a in args[1:8])
-    return CommandError(
-        f"unknown command '{_trunc(args[0])}', with args beginning with: {rest}".rstrip()
-        + (" " if rest else "")
-    )

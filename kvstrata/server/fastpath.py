@@ -37,17 +37,18 @@ sends every command the Python way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.server.cmdstats import CommandStat
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import StringEntry
 from kvstrata.store.kvstore_state import NOT_NOW
 from kvstrata.store.strings import ENTRY_OVERHEAD, LARGE_VALUE
 
 if TYPE_CHECKING:
     from kvstrata.server.app import Server
+    from kvstrata.tiers.arena import ArenaTier
 
 #: the registry names of the commands the C path runs, in its index order (``last`` of a run)
 NAMES = ("PING", "ECHO", "GET", "SET", "EXISTS", "KV.MATCH", "KV.MGET")
@@ -94,7 +95,8 @@ def bind_store(server: Server) -> None:
     dram = state.dram
     fast.bind_kv(
         state.index._records, ChunkKey, ChunkRecord, store, NOT_NOW, dram,
-        None if dram is None else dram._chunks, state.tiers, state.remote is not None,
+        None if dram is None else cast("ArenaTier", dram)._chunks, state.tiers,
+        state.remote is not None,
         server.config.values,
     )  # fmt: skip
 

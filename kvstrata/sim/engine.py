@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.sim.vtiers import ORDER, TierSpec, VTier
 from kvstrata.store.index import ChunkIndex, ChunkRecord
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.lru import LruHeap
 from kvstrata.store.policy import (
     above_high,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvstrata.store.keys import ChunkKey
+from kvstrata.chunks import ChunkKey
 from kvstrata.store.kvstore_state import TierCounters
 from kvstrata.store.policy import TierPolicy
 from kvstrata.tiers._nvme_slabs import slot_size_for

@@ -33,7 +33,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvstrata.store.keys import ChunkKey
+from kvstrata.chunks import ChunkKey
 
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 

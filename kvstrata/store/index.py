@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 
 #: Bytes a record costs besides its payload (MEMORY USAGE): the record, its key and dict slots.
 RECORD_OVERHEAD = 320

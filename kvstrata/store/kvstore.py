@@ -21,11 +21,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.config import Config
 from kvstrata.protocol.errors import CommandError
 from kvstrata.store.events import EventSink, TierEvents
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Keyspace, now_ms
 from kvstrata.store.kvstore_batch import (
     BatchItem,

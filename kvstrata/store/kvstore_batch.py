@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.protocol.errors import CommandError, OutOfMemoryError, RespError
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.kvstore_write import WritePath
 from kvstrata.store.leases import (
     NO_HOLDER,

@@ -22,8 +22,8 @@ The record is held with ``begin_move`` (pinned, one mover) during a copy, as eve
 
 from __future__ import annotations
 
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.kvstore_state import StoreState
 from kvstrata.store.placement import Placement, check_bytes
 from kvstrata.tiers.base import (

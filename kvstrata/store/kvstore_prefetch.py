@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.protocol.errors import CommandError
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.kvstore_gpu import GpuPath
 from kvstrata.store.kvstore_read import ReadPath
 from kvstrata.store.kvstore_remote import RemotePath

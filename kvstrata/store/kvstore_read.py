@@ -22,9 +22,9 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.protocol.errors import CommandError, LeaseError
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.kvstore_gpu import GpuPath
 from kvstrata.store.kvstore_remote import RemotePath
 from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState

@@ -31,8 +31,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.store.index import ChunkRecord, record_from_meta
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.kvstore_state import StoreState
 from kvstrata.store.remote_records import RemoteRecords
 from kvstrata.tiers.base import TierError

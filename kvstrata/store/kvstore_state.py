@@ -29,11 +29,11 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.config import Config
 from kvstrata.protocol.errors import BusyError
 from kvstrata.store.fences import FenceTable
 from kvstrata.store.index import ChunkIndex, ChunkRecord
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Entry, Keyspace, now_ms
 from kvstrata.store.leases import Holder, LeaseTable
 from kvstrata.tiers.arena import ArenaTier

@@ -25,9 +25,9 @@ import logging
 from collections.abc import Collection
 from typing import Any
 
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.protocol.errors import BusyError, CommandError, LeaseError, OutOfMemoryError
 from kvstrata.store.index import ChunkRecord, record_from_meta
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.keyspace import now_ms
 from kvstrata.store.kvstore_gpu import GpuPath, GpuSink
 from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_internal, is_shared

@@ -34,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.protocol.errors import LeaseLimitError
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey
 from kvstrata.tiers.base import Handle
 
 log = logging.getLogger(__name__)

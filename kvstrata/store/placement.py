@@ -35,8 +35,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.store.kvstore_state import StoreState, is_internal, is_shared
 from kvstrata.store.lru import LruHeap
 from kvstrata.store.policy import (

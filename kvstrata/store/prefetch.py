@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from kvstrata.store.keys import ChunkKey
+from kvstrata.chunks import ChunkKey
 
 PACE_STEP = 0.05  # seconds a paced worker sleeps before looking at the rate and request again
 

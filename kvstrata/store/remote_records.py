@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey
 
 
 class RemoteRecords:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.protocol.errors import OutOfMemoryError
-from kvstrata.store.keys import ChunkKey
 from kvstrata.tiers.base import TierFull
 
 if TYPE_CHECKING:

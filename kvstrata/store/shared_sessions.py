@@ -30,8 +30,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.kvstore_remote import RemotePath
 from kvstrata.store.kvstore_state import StoreState
 from kvstrata.store.sessions import MAX_CLOCK_SKEW_MS, MAX_TTL_MS

@@ -29,9 +29,9 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.chunks import ChunkKey
 from kvstrata.config import Config
 from kvstrata.protocol.errors import OutOfMemoryError
-from kvstrata.store.keys import ChunkKey
 from kvstrata.store.keyspace import Entry, Keyspace, StringEntry
 from kvstrata.store.kvstore_state import NOT_NOW, STRING_NS
 

@@ -15,7 +15,7 @@ import os
 import threading
 from typing import NoReturn
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_scan
 from kvstrata.tiers._nvme_format import (
     TMP_SUFFIX,

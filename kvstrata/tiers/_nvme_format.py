@@ -41,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers.checksum import checksum
 
 MAGIC = b"KVSTRAT1"

@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvstrata.store.keys import ChunkMeta
+from kvstrata.chunks import ChunkMeta
 from kvstrata.tiers._nvme_format import (
     HEADER_SIZE,
     SUFFIX,

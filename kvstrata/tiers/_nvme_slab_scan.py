@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.datadir import LOCK_NAME
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers._nvme_files import ChunkFiles
 from kvstrata.tiers._nvme_format import FLAG_SLOT, HEADER_SIZE, BadHeader, decode_header
 from kvstrata.tiers._nvme_io import _staging

@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers._nvme_format import (
     HEADER_SIZE,
     BadHeader,

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers import _cuda
 from kvstrata.tiers._dram_warm import PageWarmer
 from kvstrata.tiers.arena import ArenaTier, byte_view, new_instance_id

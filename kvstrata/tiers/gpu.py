@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers.arena import ArenaTier, Slot, byte_view
 from kvstrata.tiers.base import Buffer, Handle, Region, TierError, TierUnavailable, register_tier
 from kvstrata.tiers.gpu_memory import CudaMemory, DeviceMemory, NoHostView

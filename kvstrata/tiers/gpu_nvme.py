@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.store.keys import ChunkMeta
+from kvstrata.chunks import ChunkMeta
 from kvstrata.tiers._nvme_format import HEADER_SIZE, BadHeader, chunk_relpath, decode_header
 from kvstrata.tiers.base import ChunkMissing, IntegrityError, TierError
 from kvstrata.tiers.checksum import checksum

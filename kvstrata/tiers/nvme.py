@@ -38,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvstrata.store.keys import ChunkKey, ChunkMeta
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_slab_scan
 from kvstrata.tiers._nvme_config import NvmeConfig, prepare_folder
 from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt, unlink_quietly

@@ -25,7 +25,7 @@ import hmac
 import struct
 from collections.abc import Iterable
 
-from kvstrata.store.keys import ChunkMeta
+from kvstrata.chunks import ChunkMeta
 from kvstrata.tiers.base import Buffer
 
 TAG_BYTES = 32

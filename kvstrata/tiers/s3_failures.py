@@ -15,7 +15,7 @@ import logging
 import time
 from collections import OrderedDict
 
-from kvstrata.store.keys import ChunkKey
+from kvstrata.chunks import ChunkKey
 from kvstrata.tiers.base import ChunkMissing, TierError, TierIOError
 
 try:

@@ -19,15 +19,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-from kvstrata.codecs.container import CODECS as CODED_FORMATS
-from kvstrata.protocol.errors import CommandError
-from kvstrata.store.keys import (
+from kvstrata.chunks import (
     ChunkKey,
     ChunkMeta,
     validate_hash,
     validate_meta,
     validate_namespace,
 )
+from kvstrata.codecs.container import CODECS as CODED_FORMATS
+from kvstrata.protocol.errors import CommandError
 from kvstrata.tiers.checksum import CHECKSUM_BYTES
 from kvstrata.tiers.s3_auth import TAG_BYTES, ObjectAuth
 

@@ -26,9 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.codecs import CodecError, decode_into
 from kvstrata.codecs.tier import encode_for_tier
-from kvstrata.store.keys import ChunkKey, ChunkMeta
 from kvstrata.tiers.base import Buffer, ObjectChanged, TierIOError
 from kvstrata.tiers.checksum import checksum
 from kvstrata.tiers.s3_auth import ObjectAuth

@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvstrata.chunks import MAX_HASH_BYTES, validate_hash
 from kvstrata.protocol.errors import CommandError
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Args
-from kvstrata.store.keys import MAX_HASH_BYTES, validate_hash
+
+if TYPE_CHECKING:
+    from kvstrata.store.kvstore import KVStore
 
 SLICE = 4096  # hashes handled between two yields to the event loop
 THREAD_TOKENS = 65536  # KV.MATCHTOKENS hashes more tokens than this on the hashing thread
@@ -65,7 +68,7 @@ async def next_slice(start: int) -> None:
         await asyncio.sleep(0)
 
 
-async def matched_sliced(store: Any, ns: str, hashes: list[bytes]) -> list[Any]:
+async def matched_sliced(store: KVStore, ns: str, hashes: list[bytes]) -> list[Any]:
     """``store.matched`` over a long chain, a slice at a time with yields between."""
     records: list[Any] = []
     for start in range(0, len(hashes), SLICE):

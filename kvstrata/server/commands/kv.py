@@ -17,6 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvstrata.chunks import (
+    ChunkKey,
+    validate_hash,
+    validate_namespace,
+    validate_parent,
+    validate_tokens,
+)
 from kvstrata.protocol.errors import CommandError, RespError, syntax_error
 from kvstrata.protocol.frames import BulkView
 from kvstrata.server.commands._chain import (
@@ -32,14 +39,7 @@ from kvstrata.server.commands._near import warn_if_option_like
 from kvstrata.server.commands.connection import arg_bytes, parse_int
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
-from kvstrata.store.keys import (
-    ChunkKey,
-    validate_hash,
-    validate_namespace,
-    validate_parent,
-    validate_tokens,
-)
-from kvstrata.store.kvstore import NOT_NOW
+from kvstrata.store.kvstore import NOT_NOW, KVStore
 
 NS = Arg("namespace", "string")
 HASH = Arg("hash", "string")
@@ -48,7 +48,7 @@ PARENT = Arg("parent", "string")
 TTL_MAX = 10 * 365 * 86_400_000
 
 
-def store_of(ctx: Ctx) -> Any:
+def store_of(ctx: Ctx) -> KVStore:
     store = ctx.server.store
     if store is None:
         raise CommandError("the KV store is not available on this server")
@@ -186,7 +186,7 @@ def kv_put(ctx: Ctx, args: Args) -> Reply:
     tokens, ttl = token_ids_count(opts), opts.get(b"TTL")
     ids = opts.get(b"TOKENIDS")
     events = store.events if ids is not None else None
-    if events is not None:
+    if events is not None and ids is not None:  # ids is not None whenever events is set
         events.expect_tokens(ChunkKey(ns, h), ids)
     if sink is not None:  # the payload is already in its arena slot: usually nothing to await
         try:
@@ -203,7 +203,7 @@ def kv_put(ctx: Ctx, args: Args) -> Reply:
 
 
 async def _put_slow(
-    store: Any, ns: str, h: bytes, parent: bytes, payload: Any, tokens: int,
+    store: KVStore, ns: str, h: bytes, parent: bytes, payload: Any, tokens: int,
     ttl: int | None, nx: bool, sink: Any, events: Any = None,
 ) -> Reply:  # fmt: skip
     try:
@@ -248,7 +248,7 @@ def kv_get(ctx: Ctx, args: Args) -> Reply:
     return _reply(_count(ctx, payload))
 
 
-async def _get_slow(ctx: Ctx, store: Any, ns: str, h: bytes) -> Reply:
+async def _get_slow(ctx: Ctx, store: KVStore, ns: str, h: bytes) -> Reply:
     return _reply(_count(ctx, await store.get(ns, h)))
 
 
@@ -320,14 +320,14 @@ def kv_match(ctx: Ctx, args: Args) -> Reply:
     return _match_reply(store, ns, records, flags)
 
 
-async def _match_sliced(store: Any, ns: str, hashes: list[bytes], flags: set[bytes]) -> Reply:
+async def _match_sliced(store: KVStore, ns: str, hashes: list[bytes], flags: set[bytes]) -> Reply:
     records = await matched_sliced(store, ns, hashes)
     if store.wants_remote(len(records), len(hashes)):
         records = await store.match_remote(ns, hashes, records)
     return _match_reply(store, ns, records, flags)
 
 
-def _match_reply(store: Any, ns: str, records: list[Any], flags: set[bytes]) -> Reply:
+def _match_reply(store: KVStore, ns: str, records: list[Any], flags: set[bytes]) -> Reply:
     if b"PREFETCH" in flags and records:
         store.prefetch(ns, [r.key.hash for r in records])
     if b"WITHTIERS" in flags:
@@ -336,7 +336,7 @@ def _match_reply(store: Any, ns: str, records: list[Any], flags: set[bytes]) -> 
 
 
 async def _match_remote(
-    store: Any, ns: str, hashes: list[bytes], records: list[Any], flags: set[bytes]
+    store: KVStore, ns: str, hashes: list[bytes], records: list[Any], flags: set[bytes]
 ) -> Reply:
     return _match_reply(store, ns, await store.match_remote(ns, hashes, records), flags)
 
@@ -394,7 +394,7 @@ def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
 
 
 async def _matchtokens_threaded(
-    store: Any, ns: str, tokens: Any, chunk: int, extra: list[bytes]
+    store: KVStore, ns: str, tokens: Any, chunk: int, extra: list[bytes]
 ) -> Reply:
     """Hash on the hashing thread, then match in slices: the loop never waits on either."""
     hashes = await hash_off_loop(tokens, ns, chunk, extra)
@@ -404,7 +404,7 @@ async def _matchtokens_threaded(
 
 
 async def _matchtokens_remote(
-    store: Any, ns: str, hashes: list[bytes], records: list[Any], chunk: int
+    store: KVStore, ns: str, hashes: list[bytes], records: list[Any], chunk: int
 ) -> Reply:
     if store.wants_remote(len(records), len(hashes)):
         records = await store.match_remote(ns, hashes, records)

@@ -25,8 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from operator import contains
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvstrata.chunks import ChunkKey, validate_hash, validate_namespace, validate_parent
 from kvstrata.protocol.errors import CommandError, LeaseError
 from kvstrata.protocol.frames import OK, Simple
 from kvstrata.server.commands.connection import arg_bytes
@@ -44,10 +45,12 @@ from kvstrata.server.commands.kv import (
 )
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
-from kvstrata.store.keys import ChunkKey, validate_hash, validate_namespace, validate_parent
 from kvstrata.store.kvstore_batch import BatchItem
 from kvstrata.store.leases import Holder
 from kvstrata.tiers.checksum import CHECKSUM_BYTES
+
+if TYPE_CHECKING:
+    from kvstrata.store.kvstore import KVStore
 
 LEASE_TTL_MAX = 86_400_000
 TTL = Arg("ttl", "integer", optional=True, token="TTL")
@@ -195,7 +198,7 @@ def _batch_items(ctx: Ctx, args: Args) -> tuple[list[BatchItem], int]:
     return items, end
 
 
-def _batch_token_ids(store: Any, ns: str, items: list[BatchItem], opts: dict) -> int:
+def _batch_token_ids(store: KVStore, ns: str, items: list[BatchItem], opts: dict) -> int:
     """TOKENS of every chunk; TOKENIDS (every chunk's ids, in chain order) are split per chunk
     and handed to the KV events, which keep them until the chunk is published."""
     ids = opts.get(b"TOKENIDS")

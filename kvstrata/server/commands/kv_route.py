@@ -10,8 +10,9 @@ port (``GET /tiermatch?ns=…&hashes=hex,hex`` or ``&tokens=1,2,3&chunk=16``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvstrata.chunks import validate_namespace
 from kvstrata.protocol.errors import CommandError, syntax_error
 from kvstrata.server.commands._chain import (
     SLICE,
@@ -26,8 +27,10 @@ from kvstrata.server.commands.kv import NS, int_option, store_of
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.events import TierWalk
-from kvstrata.store.keys import validate_namespace
 from kvstrata.store.keyspace import now_ms
+
+if TYPE_CHECKING:
+    from kvstrata.store.kvstore import KVStore
 
 
 @command(
@@ -86,14 +89,14 @@ def kv_tiermatch(ctx: Ctx, args: Args) -> Reply:
 
 
 async def _tokens_match(
-    server: Any, store: Any, ns: str, tokens: Any, chunk: int, extra: list[bytes]
+    server: Any, store: KVStore, ns: str, tokens: Any, chunk: int, extra: list[bytes]
 ) -> Reply:
     hashes = await hash_off_loop(tokens, ns, chunk, extra)
     return await tier_match(server, store, ns, hashes, chunk)
 
 
 async def tier_match(
-    server: Any, store: Any, ns: str, hashes: list[bytes], chunk: int | None
+    server: Any, store: KVStore, ns: str, hashes: list[bytes], chunk: int | None
 ) -> dict[str, Any]:
     """The reply of KV.TIERMATCH (and of ``/tiermatch``), a slice at a time."""
     walk = _walk(store, ns, [])
@@ -105,7 +108,7 @@ async def tier_match(
     return _reply(server, walk, chunk, hashes)
 
 
-def _walk(store: Any, ns: str, hashes: list[bytes]) -> TierWalk:
+def _walk(store: KVStore, ns: str, hashes: list[bytes]) -> TierWalk:
     walk = TierWalk(store.state.index.get, ns, [t.name for t in store.tiers], now_ms())
     walk.feed(hashes)
     return walk

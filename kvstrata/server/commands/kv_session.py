@@ -18,8 +18,9 @@ first hash must not be ``SESSION`` or ``CANCEL`` when exactly one more argument 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvstrata.chunks import validate_hash, validate_namespace
 from kvstrata.protocol.errors import CommandError, syntax_error
 from kvstrata.protocol.frames import OK
 from kvstrata.server.commands.connection import arg_bytes
@@ -33,8 +34,10 @@ from kvstrata.server.commands.kv import (
 )
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
-from kvstrata.store.keys import validate_hash, validate_namespace
 from kvstrata.store.sessions import MAX_TTL_MS
+
+if TYPE_CHECKING:
+    from kvstrata.store.kvstore import KVStore
 
 SESSION = Arg("session", "string")
 SESSION_TTL_MAX = MAX_TTL_MS
@@ -137,7 +140,7 @@ def kv_prefetch(ctx: Ctx, args: Args) -> Reply:
 
 
 async def _prefetch_shared(
-    store: Any, ns: str, session: bytes, target: str | None, deadline: int | None
+    store: KVStore, ns: str, session: bytes, target: str | None, deadline: int | None
 ) -> Reply:
     request_id, queued = await store.prefetch_session_shared(ns, session, target, deadline)
     return [request_id, queued]

@@ -1,0 +1,5 @@
+"""``python -m kvstrata.config > docs/configuration.md``."""
+
+from kvstrata.config.render import render_markdown
+
+print(render_markdown(), end="")
