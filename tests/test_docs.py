@@ -86,7 +86,7 @@ def test_commands_that_can_answer_busy_document_it() -> None:
     write path through another module, as SET's large values do, is not followed)."""
     raising = {
         name
-        for name, fn in _methods("kvstrata/store/kvstore_write.py", "WritePath").items()
+        for name, fn in _methods("kvstrata/store/kvstore/write.py", "WritePath").items()
         if "wait_key" in _attr_calls(fn)
         or any(isinstance(n, ast.Raise) and "BusyError" in ast.unparse(n) for n in ast.walk(fn))
     }

@@ -1,4 +1,4 @@
-"""KV.MRESERVE in the store (``kvstore_batch``): what one failing chunk of a batch does."""
+"""KV.MRESERVE in the store (``kvstore.batch``): what one failing chunk of a batch does."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvstrata.protocol.errors import CommandError, LeaseError
-from kvstrata.store.kvstore_batch import EXISTS, BatchItem
+from kvstrata.store.kvstore.batch import EXISTS, BatchItem
 from tests.fakes import chain, make_dram, open_store
 
 NS = "m@c4"

@@ -362,7 +362,7 @@ def _import_store(config: Config) -> None:
     worker thread so that the event loop keeps answering PING meanwhile."""
     import importlib
 
-    from kvstrata.store.kvstore_build import tier_modules
+    from kvstrata.store.kvstore.build import tier_modules
 
     importlib.import_module("kvstrata.store.kvstore")
     for module in tier_modules(config):

@@ -43,7 +43,7 @@ from kvstrata.chunks import ChunkKey
 from kvstrata.server.cmdstats import CommandStat
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keyspace import StringEntry
-from kvstrata.store.kvstore_state import NOT_NOW
+from kvstrata.store.kvstore.state import NOT_NOW
 from kvstrata.store.strings import ENTRY_OVERHEAD, LARGE_VALUE
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ from kvstrata.store.policy import (
 from kvstrata.store.sessions import SessionTable
 
 MAX_CHAIN = 65_536
-#: chunks a lease promotes at once (``kvstore_read._AHEAD``)
+#: chunks a lease promotes at once (``kvstore.read._AHEAD``)
 LEASE_AHEAD = 8
 _NO_SUM = b"\0" * 8  # records carry no checksum: there are no bytes
 

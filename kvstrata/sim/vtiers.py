@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstrata.chunks import ChunkKey
-from kvstrata.store.kvstore_state import TierCounters
+from kvstrata.store.kvstore.state import TierCounters
 from kvstrata.store.policy import TierPolicy
 from kvstrata.tiers._nvme_slabs import slot_size_for
 from kvstrata.tiers.alloc import OffsetAllocator

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.kvstore_state import StoreState, is_internal, is_shared
+from kvstrata.store.kvstore.state import StoreState, is_internal, is_shared
 from kvstrata.store.lru import LruHeap
 from kvstrata.store.policy import (
     TierPolicy,

@@ -1,6 +1,6 @@
 """A bound on the index records of chunks held only in the shared tier (s3).
 
-A node adopts a record for every chunk it finds in S3 (``kvstore_remote``), and chunks it
+A node adopts a record for every chunk it finds in S3 (``kvstore.remote``), and chunks it
 wrote back to S3 keep theirs after leaving the local tiers. Without a bound the index of a
 long-running node grows with everything the cluster ever stored. :class:`RemoteRecords`
 keeps those records in least-recently-used order (``s3-max-remote-records``); above the

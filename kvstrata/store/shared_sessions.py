@@ -32,8 +32,8 @@ from typing import Protocol, runtime_checkable
 
 from kvstrata.chunks import ChunkKey
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.kvstore_remote import RemotePath
-from kvstrata.store.kvstore_state import StoreState
+from kvstrata.store.kvstore.remote import RemotePath
+from kvstrata.store.kvstore.state import StoreState
 from kvstrata.store.sessions import MAX_CLOCK_SKEW_MS, MAX_TTL_MS
 from kvstrata.tiers.base import TierError
 from kvstrata.tiers.s3_objects import SessionObject

@@ -33,7 +33,7 @@ from kvstrata.chunks import ChunkKey
 from kvstrata.config import Config
 from kvstrata.protocol.errors import OutOfMemoryError
 from kvstrata.store.keyspace import Entry, Keyspace, StringEntry
-from kvstrata.store.kvstore_state import NOT_NOW, STRING_NS
+from kvstrata.store.kvstore.state import NOT_NOW, STRING_NS
 
 LARGE_VALUE = 64 * 1024
 #: what a string key costs besides its key and value bytes (entry object, dict slots)

@@ -12,7 +12,7 @@ cannot take it, so a lease may mix ``cuda`` and ``shm`` handles; a client withou
 ``TIER`` must not be second to last.
 
 KV.MRESERVE reserves the slots of several chunks of one chain under one write lease (see
-``store.kvstore_batch``); KV.COMMIT and KV.ABORT of that lease publish or discard them all.
+``store.kvstore.batch``); KV.COMMIT and KV.ABORT of that lease publish or discard them all.
 
 A lease belongs to the connection that took it (:func:`holder_of`): KV.COMMIT, KV.ABORT and
 KV.RELEASE of another connection's lease id, live or expired, are answered ``-NOLEASE`` exactly
@@ -45,7 +45,7 @@ from kvstrata.server.commands.kv import (
 )
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
-from kvstrata.store.kvstore_batch import BatchItem
+from kvstrata.store.kvstore.batch import BatchItem
 from kvstrata.store.leases import Holder
 from kvstrata.tiers.checksum import CHECKSUM_BYTES
 

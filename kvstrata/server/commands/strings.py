@@ -19,7 +19,7 @@ from kvstrata.server.commands._args import INT64_MAX, arg_bytes, arg_upper, pars
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.keyspace import Entry, StringEntry, now_ms
-from kvstrata.store.kvstore_state import NOT_NOW
+from kvstrata.store.kvstore.state import NOT_NOW
 from kvstrata.store.strings import LargeEntry, StringStore
 
 

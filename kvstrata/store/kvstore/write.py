@@ -4,10 +4,10 @@ A chunk becomes visible only when its bytes are complete and checksummed: it is 
 an invisible DRAM reservation (the connection receives a large payload straight into it, see
 :meth:`WritePath.reserve_put`), copied to the write-through tiers, then committed and published
 in the index and keyspace in one synchronous step. ``KV.RESERVE … TIER gpu`` reserves the slot
-in the GPU pool instead (:class:`~kvstrata.store.kvstore_gpu.GpuSink`); its commit copies the
+in the GPU pool instead (:class:`~kvstrata.store.kvstore.gpu.GpuSink`); its commit copies the
 slot to the host first (into a DRAM reservation when there is room), checksums those bytes and
 commits the GPU and DRAM copies together. The key is owned by its writer from the
-first reservation to the publication (see ``kvstore_state``), so with ``NX`` exactly one of
+first reservation to the publication (see ``kvstore.state``), so with ``NX`` exactly one of
 concurrent writers stores the chunk and the others wait for it and answer 0.
 
 ``KV.COMMIT … DIGEST d…`` carries the writer's own checksum of each slot (computed while it
@@ -29,8 +29,8 @@ from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.protocol.errors import BusyError, CommandError, LeaseError, OutOfMemoryError
 from kvstrata.store.index import ChunkRecord, record_from_meta
 from kvstrata.store.keyspace import now_ms
-from kvstrata.store.kvstore_gpu import GpuPath, GpuSink
-from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_internal, is_shared
+from kvstrata.store.kvstore.gpu import GpuPath, GpuSink
+from kvstrata.store.kvstore.state import NOT_NOW, NotNow, StoreState, is_internal, is_shared
 from kvstrata.store.leases import (
     NO_HOLDER,
     BatchWriteLease,

@@ -13,7 +13,7 @@ import logging
 import time
 
 from kvstrata.store.index import record_from_meta
-from kvstrata.store.kvstore_state import StoreState, is_internal, is_shared
+from kvstrata.store.kvstore.state import StoreState, is_internal, is_shared
 from kvstrata.tiers.base import Tier
 
 log = logging.getLogger("kvstrata.store")

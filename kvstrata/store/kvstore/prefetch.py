@@ -8,7 +8,7 @@ one chunk at a time for the scheduler's workers:
 - target ``dram`` (the default): promotion from the fastest lower tier holding the chunk,
   making room by the usual LRU demotion (pinned and leased chunks are never moved);
 - target ``gpu`` (with a GPU tier): the same promotion into the GPU pool as ``KV.LEASE … TIER
-  gpu`` (``kvstore_gpu.GpuPath.ensure_gpu``: from DRAM, straight from NVMe, or through a host
+  gpu`` (``kvstore.gpu.GpuPath.ensure_gpu``: from DRAM, straight from NVMe, or through a host
   buffer from s3);
 - a local tier below DRAM (``nvme``): a copy from a slower tier (s3), so that the next load
   is local;
@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from kvstrata.chunks import ChunkKey
 from kvstrata.protocol.errors import CommandError
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.kvstore_gpu import GpuPath
-from kvstrata.store.kvstore_read import ReadPath
-from kvstrata.store.kvstore_remote import RemotePath
-from kvstrata.store.kvstore_state import StoreState, is_shared
+from kvstrata.store.kvstore.gpu import GpuPath
+from kvstrata.store.kvstore.read import ReadPath
+from kvstrata.store.kvstore.remote import RemotePath
+from kvstrata.store.kvstore.state import StoreState, is_shared
 from kvstrata.store.placement import Placement
 from kvstrata.store.policy import chain_to, prefetch_budget, prefetch_todo
 from kvstrata.store.prefetch import PrefetchRequest, PrefetchScheduler

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keyspace import now_ms
-from kvstrata.store.kvstore_state import StoreState, is_internal, is_shared
+from kvstrata.store.kvstore.state import StoreState, is_internal, is_shared
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import MemoryTier, TierError
 

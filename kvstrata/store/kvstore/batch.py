@@ -14,7 +14,7 @@ The batch keeps every guarantee of a single reservation:
   while it fills the next (the server checksums one chunk while the client copies another);
   ``KV.COMMIT lease`` publishes all that are left, and the lease ends when none is left.
   ``KV.COMMIT lease index… DIGEST d…`` adds the writer's checksum of each named slot, adopted
-  unverified until the chunk's first copy out of DRAM (``kvstore_write``).
+  unverified until the chunk's first copy out of DRAM (``kvstore.write``).
 - Committing stops at the first chunk that cannot be published (a write-through tier failed):
   the chunks named before it are published, it and the rest of the command's are discarded,
   and the error says which.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from kvstrata.chunks import ChunkKey
 from kvstrata.protocol.errors import CommandError, OutOfMemoryError, RespError
-from kvstrata.store.kvstore_write import WritePath
+from kvstrata.store.kvstore.write import WritePath
 from kvstrata.store.leases import (
     NO_HOLDER,
     BatchWriteLease,

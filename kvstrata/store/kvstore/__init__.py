@@ -1,16 +1,16 @@
 """KVStore: the facade the KV.* commands call.
 
 It ties together the index (``index``), leases (``leases``), placement and eviction
-(``placement``), the write path (``kvstore_write``), the read path (``kvstore_read``) and the
-moves into the GPU tier (``kvstore_gpu``) over the configured tiers (``kvstore_build``),
+(``placement``), the write path (``kvstore.write``), the read path (``kvstore.read``) and the
+moves into the GPU tier (``kvstore.gpu``) over the configured tiers (``kvstore.build``),
 ordered fast → slow. Bookkeeping is synchronous on the event loop; only tier I/O is awaited,
-and no lock is held across an await (key ownership is described in ``kvstore_state``).
+and no lock is held across an await (key ownership is described in ``kvstore.state``).
 
 Lifecycle: ``await KVStore.from_config(config, keyspace)`` (or ``KVStore(config, keyspace,
 tiers)``), then ``await store.start()`` (rebuilds the index from the local persistent tiers,
-see ``kvstore_rebuild``; starts the lease sweeper, the demoter and the prefetch workers) and
+see ``kvstore.rebuild``; starts the lease sweeper, the demoter and the prefetch workers) and
 finally ``await store.close()`` (``close(save_budget=s)`` first writes the chunks only memory
-tiers hold to NVMe, see ``kvstore_persist``).
+tiers hold to NVMe, see ``kvstore.persist``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvstrata.protocol.errors import CommandError
 from kvstrata.store.events import EventSink, TierEvents
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.keyspace import Keyspace, now_ms
-from kvstrata.store.kvstore_batch import (
+from kvstrata.store.kvstore.batch import (
     BatchItem,
     BatchReservation,
     check_batch,
@@ -36,15 +36,15 @@ from kvstrata.store.kvstore_batch import (
     slot_unit,
     take_chunks,
 )
-from kvstrata.store.kvstore_build import build_tiers, status_of
-from kvstrata.store.kvstore_gpu import GpuPath
-from kvstrata.store.kvstore_persist import SaveReport, save_to_disk
-from kvstrata.store.kvstore_prefetch import PrefetchPath
-from kvstrata.store.kvstore_read import Payload, ReadPath
-from kvstrata.store.kvstore_rebuild import empty_report, rebuild_index
-from kvstrata.store.kvstore_remote import RemotePath
-from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState, is_internal
-from kvstrata.store.kvstore_write import StoreSink, WritePath
+from kvstrata.store.kvstore.build import build_tiers, status_of
+from kvstrata.store.kvstore.gpu import GpuPath
+from kvstrata.store.kvstore.persist import SaveReport, save_to_disk
+from kvstrata.store.kvstore.prefetch import PrefetchPath
+from kvstrata.store.kvstore.read import Payload, ReadPath
+from kvstrata.store.kvstore.rebuild import empty_report, rebuild_index
+from kvstrata.store.kvstore.remote import RemotePath
+from kvstrata.store.kvstore.state import NOT_NOW, NotNow, StoreState, is_internal
+from kvstrata.store.kvstore.write import StoreSink, WritePath
 from kvstrata.store.leases import NO_HOLDER, Holder, Lease, ReadLease, WriteLease, run_sweeper
 from kvstrata.store.placement import Placement
 from kvstrata.store.write_limits import admit_reserve, write_lease_ttl
@@ -108,7 +108,7 @@ class KVStore:
         cls, config: Config, keyspace: Keyspace, events: EventSink | None = None
     ) -> KVStore:
         """Build the tiers the configuration asks for (gpu when gpu-capacity > 0, dram always,
-        nvme when nvme-capacity > 0, s3 when s3-bucket is set; see ``kvstore_build``) and
+        nvme when nvme-capacity > 0, s3 when s3-bucket is set; see ``kvstore.build``) and
         return an un-started store. Raises TierUnavailable (e.g. a gpu tier without CUDA)."""
         tiers, status = await build_tiers(config)
         return cls(config, keyspace, tiers, status, events)
@@ -241,7 +241,7 @@ class KVStore:
         self, ns: str, parent: bytes, items: Sequence[BatchItem], tokens: int = 0,
         ttl_ms: int | None = None, tier: str | None = None, holder: Holder = NO_HOLDER,
     ) -> BatchReservation:  # fmt: skip
-        """KV.MRESERVE: slots for the chunks of a chain under one lease (``kvstore_batch``)."""
+        """KV.MRESERVE: slots for the chunks of a chain under one lease (``kvstore.batch``)."""
         ttl = write_lease_ttl(self.config.values, ttl_ms)
         check_batch(items, parent, self.writes.slot_limit(tier), slot_unit(self.writes))
         link = parent

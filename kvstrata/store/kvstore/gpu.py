@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.kvstore_state import StoreState
+from kvstrata.store.kvstore.state import StoreState
 from kvstrata.store.placement import Placement, check_bytes
 from kvstrata.tiers.base import (
     ChunkMissing,
@@ -42,7 +42,7 @@ from kvstrata.tiers.nvme import NvmeTier
 class GpuSink:
     """A reserved, invisible GPU slot owned by one writer (a ``KV.RESERVE … TIER gpu`` lease).
 
-    Same life cycle as :class:`~kvstrata.store.kvstore_write.StoreSink`: ``host_bytes()`` (at
+    Same life cycle as :class:`~kvstrata.store.kvstore.write.StoreSink`: ``host_bytes()`` (at
     commit) copies the slot to the host, ``place()`` commits the copies, ``abort()`` frees
     whatever is still reserved and ends the writer's ownership of the key (a no-op once
     committed).

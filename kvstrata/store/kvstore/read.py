@@ -1,6 +1,6 @@
 """The read path: KV.GET (zero-copy from DRAM, read-through and promotion from cold tiers),
 KV.LEASE / RELEASE (pinned handles into a shareable tier: the GPU pool or the DRAM arena).
-Chunks the index does not know are looked up in the shared tier first (``kvstore_remote``).
+Chunks the index does not know are looked up in the shared tier first (``kvstore.remote``).
 
 A DRAM hit returns a view of the arena slot, pinned until the caller's ``release()``; a chunk
 held in both the GPU and DRAM is served from DRAM. A hit in the GPU or a lower tier reads
@@ -11,7 +11,7 @@ freeing the copy under it; a chunk deleted meanwhile is reported as a miss. A ch
 object another node replaced is looked up again and the new version served.
 
 KV.LEASE leases into the GPU (``TIER gpu``, the default when a GPU tier exists) through
-``kvstore_gpu``; a chunk that cannot be brought there is leased from DRAM instead, so one
+``kvstore.gpu``; a chunk that cannot be brought there is leased from DRAM instead, so one
 lease may mix ``cuda`` and ``shm`` handles.
 """
 
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from kvstrata.chunks import ChunkKey
 from kvstrata.protocol.errors import CommandError, LeaseError
 from kvstrata.store.index import ChunkRecord
-from kvstrata.store.kvstore_gpu import GpuPath
-from kvstrata.store.kvstore_remote import RemotePath
-from kvstrata.store.kvstore_state import NOT_NOW, NotNow, StoreState
+from kvstrata.store.kvstore.gpu import GpuPath
+from kvstrata.store.kvstore.remote import RemotePath
+from kvstrata.store.kvstore.state import NOT_NOW, NotNow, StoreState
 from kvstrata.store.leases import NO_HOLDER, Holder, ReadLease, deadline_after
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import (

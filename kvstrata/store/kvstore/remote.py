@@ -33,7 +33,7 @@ from typing import Any
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.store.index import ChunkRecord, record_from_meta
-from kvstrata.store.kvstore_state import StoreState
+from kvstrata.store.kvstore.state import StoreState
 from kvstrata.store.remote_records import RemoteRecords
 from kvstrata.tiers.base import TierError
 
