@@ -156,9 +156,9 @@ def replay_compare(
     from kvstrata.config import OPTIONS
     from kvstrata.sim.engine import Simulator
     from kvstrata.sim.replay import replay
-    from kvstrata.sim.trace import read_trace
     from kvstrata.sim.vtiers import TierSpec
     from kvstrata.store.policy import tier_policy
+    from kvstrata.tracefile import read_trace
     from tests.simshapes import shares
 
     vals = {o.name: o.default for o in OPTIONS}

@@ -24,8 +24,8 @@ from collections import OrderedDict
 from kvstrata.sim.economics import MODELS, hardware
 from kvstrata.sim.engine import Simulator
 from kvstrata.sim.replay import Plan, Ticking, replay, tier_specs
-from kvstrata.sim.trace import Event, read_trace, write_trace
 from kvstrata.sim.workload import Prefetch, Workload, drive, generate
+from kvstrata.tracefile import Event, read_trace, write_trace
 
 
 class Recorder:

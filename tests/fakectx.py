@@ -52,7 +52,7 @@ class FakeServer:
         self.shutdown_save = True
         self.loading = False
         self.loading_start_time = 0.0
-        self.tracer: Any = None  # serve --trace-file (kvstrata.sim.trace.TraceRecorder)
+        self.tracer: Any = None  # serve --trace-file (kvstrata.server.trace.TraceRecorder)
 
     def request_shutdown(self, save: bool = True) -> None:
         self.shutdown_requested = True

@@ -14,11 +14,11 @@ from kvstrata.config import OPTIONS
 from kvstrata.sim.economics import MODELS, hardware, load_seconds, model_from_config
 from kvstrata.sim.engine import Simulator
 from kvstrata.sim.replay import DEFAULTS
-from kvstrata.sim.trace import Event, read_trace, write_trace
 from kvstrata.sim.vtiers import TierSpec
 from kvstrata.sim.workload import Workload, generate, load_workload
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.policy import tier_policy
+from kvstrata.tracefile import Event, read_trace, write_trace
 
 KIB = 1024
 NS = "m"

@@ -31,9 +31,9 @@ from kvstrata.clients.sync import Client
 from kvstrata.config import OPTIONS
 from kvstrata.sim.engine import Simulator
 from kvstrata.sim.replay import replay
-from kvstrata.sim.trace import read_trace
 from kvstrata.sim.vtiers import TierSpec
 from kvstrata.store.policy import tier_policy
+from kvstrata.tracefile import read_trace
 from tests import simshapes
 from tests.conftest import start_process_server
 from tests.s3fixture import DUMMY_ENV, MotoServer

@@ -30,7 +30,7 @@ from kvstrata.server.cmdstats import CommandStats
 from kvstrata.server.connection import Connection
 from kvstrata.server.context import ClientState, ServerStats
 from kvstrata.server.registry import load_all
-from kvstrata.sim.trace import TraceRecorder
+from kvstrata.server.trace import TraceRecorder
 from kvstrata.store.keyspace import Keyspace
 from kvstrata.store.strings import StringStore
 
@@ -74,7 +74,7 @@ class Server:
         self.loading = False
         self.loading_start_time = 0.0
         self._cron: asyncio.Task[None] | None = None
-        #: ``trace-file``: the KV command recorder (kvstrata.sim.trace), None when off
+        #: ``trace-file``: the KV command recorder (kvstrata.tracefile), None when off
         self.tracer: TraceRecorder | None = None
         #: ``kv-events-endpoint``: the KV-event publisher (kvstrata.server.events), None when off
         self.events: Any = None

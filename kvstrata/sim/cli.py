@@ -20,8 +20,8 @@ from typing import Any
 from kvstrata.config import format_size, parse_size
 from kvstrata.sim.economics import MODELS, Model, hardware, model_from_config
 from kvstrata.sim.replay import Plan, run
-from kvstrata.sim.trace import Event, TraceError, read_trace
 from kvstrata.sim.workload import Workload, load_workload
+from kvstrata.tracefile import Event, TraceError, read_trace
 
 
 class UsageError(ValueError):

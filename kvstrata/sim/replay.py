@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from kvstrata.config import OPTIONS
 from kvstrata.sim.economics import Hardware, Model, load_seconds, recompute_seconds
 from kvstrata.sim.engine import MatchResult, Simulator
-from kvstrata.sim.trace import Event
 from kvstrata.sim.vtiers import TierSpec
 from kvstrata.sim.workload import Workload, drive, generate
 from kvstrata.store.policy import tier_policy
+from kvstrata.tracefile import Event
 
 DEFAULTS = {o.name: o.default for o in OPTIONS}
 

@@ -85,7 +85,7 @@ class TierCounters:
 
 class Tracer(Protocol):
     """Where placement-changing operations are reported (``serve --trace-file``: the recorder
-    in ``kvstrata.sim.trace``). The store calls it from its write, read and delete paths only,
+    in ``kvstrata.tracefile``). The store calls it from its write, read and delete paths only,
     so every command that reaches those paths is recorded (STYLE rule 19)."""
 
     def record(self, op: str, ns: str, hashes: Sequence[bytes], **kw: Any) -> None: ...

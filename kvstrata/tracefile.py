@@ -1,4 +1,5 @@
-"""The trace format (JSON Lines) and its recorder (``kvstrata serve --trace-file PATH``).
+"""The trace format (JSON Lines) of ``kvstrata serve --trace-file PATH``: written by the server's
+recorder (``kvstrata.server.trace``), read by the simulator (``kvstrata simulate --trace``).
 
 One JSON object per line, one line per placement-changing operation, payloads never recorded::
 
@@ -49,8 +50,7 @@ from its own tiers), one without runs the demoter after every command.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -178,21 +178,3 @@ def write_trace(events: Iterable[Event], f: IO[str]) -> int:
         f.write(json.dumps(event_dict(ev), separators=(",", ":")) + "\n")
         n += 1
     return n
-
-
-class TraceRecorder:
-    """Appends the store's placement-changing operations to a trace file (line buffered, so a
-    crash loses at most the line being written); the store calls :meth:`record` (it is the
-    store's ``Tracer``). Sizes and hashes only."""
-
-    def __init__(self, path: str | Path) -> None:
-        self._f = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (kept open)
-        self._t0 = time.monotonic()
-
-    def record(self, op: str, ns: str, hashes: Sequence[bytes], **kw: Any) -> None:
-        """One event; ``kw``: the :class:`Event` fields after ``hashes`` (parent, size, …)."""
-        t = time.monotonic() - self._t0
-        write_trace([Event(t, op, ns, tuple(hashes), **kw)], self._f)
-
-    def close(self) -> None:
-        self._f.close()
