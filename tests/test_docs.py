@@ -92,7 +92,7 @@ def test_commands_that_can_answer_busy_document_it() -> None:
     }
     facade = {
         name
-        for name, fn in _methods("kvstrata/store/kvstore.py", "KVStore").items()
+        for name, fn in _methods("kvstrata/store/kvstore/__init__.py", "KVStore").items()
         if {f"writes.{m}" for m in raising} & _attr_calls(fn)
     }
     callers = {}
