@@ -97,6 +97,12 @@ def observe(srv: RunningServer) -> tuple[list[bytes], dict[str, Any]]:
     session = Session(srv.port)
     replies = [session.send(step) for step in script()]
     session.close()
+    # the state is read once the server has seen the close (its client table is empty): a
+    # loaded machine may run the read before the loop handles the disconnect
+    deadline = time.monotonic() + 10
+    while srv.call(lambda: len(srv.server.clients)):
+        assert time.monotonic() < deadline, "the server did not see the session close in 10 s"
+        time.sleep(0.01)
     return replies, kv_state(srv)
 
 
