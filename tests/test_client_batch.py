@@ -20,6 +20,7 @@ from kvstrata.clients import AsyncClient, Client, LeaseError
 from kvstrata.clients import handles as client_handles
 from kvstrata.clients.handles import RegionMapError
 from kvstrata.clients.leases import batch_slices
+from kvstrata.protocol.errors import LeaseLimitError
 from tests.conftest import RunningServer, free_port, start_process_server
 from tests.fakes import wait_for
 
@@ -104,6 +105,33 @@ def test_put_chain_cuts_long_chains_and_links_them(
         assert sent == [3, 3, 2]
         assert kv.match(NS, [b"root", *hs]) == 9
         assert kv.mget(NS, hs) == [d.tobytes() for d in data]
+
+
+def test_put_chain_halves_a_batch_the_servers_per_client_reserve_limit_refuses(
+    make_server: Callable[..., RunningServer],
+) -> None:
+    """On a 4 MiB arena, lease-reserve-max-per-client (50 %) is 2 MiB: one KV.MRESERVE of a
+    4 MiB chain is refused whole (-LEASELIMIT, nothing reserved), so put_chain (sync and
+    async) halves the batch until the server takes it, links kept across the halves; a single
+    chunk over the limit is still refused."""
+    srv = make_server(dram_capacity="4MiB", nvme_capacity="64MiB")
+    data = [bytes([i + 1]) * (1 << 20) for i in range(4)]
+    with Client(port=srv.port) as kv:
+        with pytest.raises(LeaseLimitError):  # what put_chain used to raise: one 4 MiB batch
+            kv.reserve_chain(NS, None, hashes(4), [1 << 20] * 4, tokens=16)
+        assert kv.put_chain(NS, hashes(4), data, tokens=16) == ["stored"] * 4
+        assert kv.match(NS, hashes(4)) == 4
+        assert kv.mget(NS, hashes(4)) == data
+        with pytest.raises(LeaseLimitError):
+            kv.put_chain(NS, [b"big"], [b"x" * (3 << 20)], tokens=16)
+
+    async def main() -> None:
+        async with AsyncClient(port=srv.port) as kv:
+            hs = hashes(4, b"a")
+            assert await kv.put_chain(NS, hs, data, tokens=16) == ["stored"] * 4
+            assert await kv.match(NS, hs) == 4
+
+    asyncio.run(main())
 
 
 def test_batch_slices() -> None:

@@ -37,7 +37,7 @@ from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseId, RegionInfo
 from kvstrata.clients.sync import settings_from_url
-from kvstrata.protocol.errors import LeaseError, RespError
+from kvstrata.protocol.errors import LeaseError, LeaseLimitError, RespError
 
 __all__ = [
     "AsyncClient",
@@ -377,6 +377,21 @@ class AsyncClient:
         return out
 
     async def _put_batch(
+        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
+    ) -> list[str]:
+        """One batch; halved while the server refuses its reservation with -LEASELIMIT (the
+        batch is over ``lease-reserve-max-per-client``, e.g. on a small arena: the server
+        reserved nothing), until a single chunk is refused."""
+        try:
+            return await self._put_batch_once(ns, hashes, srcs, parent, tokens)
+        except LeaseLimitError:
+            if len(hashes) < 2:
+                raise
+        mid = len(hashes) // 2
+        first = await self._put_batch(ns, hashes[:mid], srcs[:mid], parent, tokens)
+        return first + await self._put_batch(ns, hashes[mid:], srcs[mid:], hashes[mid - 1], tokens)
+
+    async def _put_batch_once(
         self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
     ) -> list[str]:
         if self.shared_memory:

@@ -39,7 +39,7 @@ from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseId, RegionInfo
-from kvstrata.protocol.errors import LeaseError, RespError
+from kvstrata.protocol.errors import LeaseError, LeaseLimitError, RespError
 
 __all__ = ["Client", "Lease", "Pipeline", "WriteBatch", "WriteLease", "settings_from_url"]
 
@@ -386,6 +386,21 @@ class Client:
         return out
 
     def _put_batch(
+        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
+    ) -> list[str]:
+        """One batch; halved while the server refuses its reservation with -LEASELIMIT (the
+        batch is over ``lease-reserve-max-per-client``, e.g. on a small arena: the server
+        reserved nothing), until a single chunk is refused."""
+        try:
+            return self._put_batch_once(ns, hashes, srcs, parent, tokens)
+        except LeaseLimitError:
+            if len(hashes) < 2:
+                raise
+        mid = len(hashes) // 2
+        first = self._put_batch(ns, hashes[:mid], srcs[:mid], parent, tokens)
+        return first + self._put_batch(ns, hashes[mid:], srcs[mid:], hashes[mid - 1], tokens)
+
+    def _put_batch_once(
         self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
     ) -> list[str]:
         if self.shared_memory:
