@@ -6,7 +6,6 @@ lookups of several requests go out in one pipelined round trip."""
 
 from __future__ import annotations
 
-import pytest
 import redis
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
@@ -14,25 +13,6 @@ from kvstrata.clients import Client
 from tests.engines.vllm.harness import END, Instance, chain_keys
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
-
-
-@pytest.fixture
-def server(make_process_server):
-    return make_process_server()
-
-
-@pytest.fixture
-def instances(server):
-    made: list[Instance] = []
-
-    def make(**kwargs) -> Instance:
-        inst = Instance(server.port, **kwargs)
-        made.append(inst)
-        return inst
-
-    yield make
-    for inst in made:
-        inst.tier.shutdown()
 
 
 def match_calls(port: int) -> int:

@@ -164,11 +164,6 @@ class Engine:
             time.sleep(0.002)
 
 
-@pytest.fixture
-def server(make_process_server):
-    return make_process_server()
-
-
 def test_second_request_loads_its_prefix_from_kvstrata(server, tmp_path) -> None:
     """Scenario: request A (64 prompt tokens = 4 blocks) runs; vLLM offloads its blocks to its
     CPU tier, which cascades them to kvstrata. The GPU prefix cache and the CPU tier are then

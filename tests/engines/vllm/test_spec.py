@@ -52,11 +52,6 @@ def host_rows(spec: KvstrataOffloadingSpec) -> np.ndarray:
     return np.asarray(view).reshape(spec.num_chunks, -1).view(np.int8)
 
 
-@pytest.fixture
-def server(make_process_server):
-    return make_process_server()
-
-
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 def test_host_worker_copies_blocks_both_ways(server, blocks_per_chunk) -> None:
     """Scenario: device blocks 3, 5, 6 (group starting at logical block 1, so with 2 blocks per

@@ -22,25 +22,6 @@ from tests.engines.vllm.harness import ROW_BYTES, Instance, chain_keys, offloadi
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
-@pytest.fixture
-def server(make_process_server):
-    return make_process_server()
-
-
-@pytest.fixture
-def instances(server):
-    made: list[Instance] = []
-
-    def make(**kwargs) -> Instance:
-        inst = Instance(server.port, **kwargs)
-        made.append(inst)
-        return inst
-
-    yield make
-    for inst in made:
-        inst.tier.shutdown()
-
-
 @pytest.mark.parametrize("load", ["auto", "mget"])
 def test_stored_chunks_hit_and_load_exactly(instances, load) -> None:
     """Scenario: a store job of 4 rows, then lookups (one KV.MATCH for the chain) hit exactly
