@@ -69,6 +69,15 @@ def compare(stats: dict[str, Any], sim: Simulator, tiers: list[str]) -> dict[str
     return gaps
 
 
+def put_rest(c: Client, chain: list[bytes], n: int, chunk: int) -> None:
+    """``put_chain`` of the chain past its ``n`` matched chunks, 4 chunks a batch, each chunk
+    ``chunk`` bytes of its hash's first byte."""
+    for k in range(n, len(chain), 4):
+        part = chain[k : k + 4]
+        c.put_chain("ns", part, [bytes([h[0]]) * chunk for h in part],
+                    parent=chain[k - 1] if k else None)  # fmt: skip
+
+
 def test_put_chain_trace_replays_with_server_hit_ratios(tmp_path: Path) -> None:
     """Chains written with ``Client.put_chain`` (KV.MRESERVE + KV.COMMIT over shared memory)
     and read back with KV.MATCH and KV.GET/KV.MGET: the trace holds every committed chunk (a
@@ -90,10 +99,7 @@ def test_put_chain_trace_replays_with_server_hit_ratios(tmp_path: Path) -> None:
             else:
                 for h in chain[:n]:
                     c.get("ns", h)
-            for k in range(n, len(chain), 4):
-                part = chain[k : k + 4]
-                c.put_chain("ns", part, [bytes([h[0]]) * chunk for h in part],
-                            parent=chain[k - 1] if k else None)  # fmt: skip
+            put_rest(c, chain, n, chunk)
             simshapes.settle(c)
         stats = c.stats()
     finally:
@@ -132,10 +138,7 @@ def test_issue_25_case_agrees(tmp_path: Path) -> None:
             n = int(c.match("ns", chain))
             for h in chain[:n]:
                 c.get("ns", h)
-            for k in range(n, len(chain), 4):
-                part = chain[k : k + 4]
-                c.put_chain("ns", part, [bytes([h[0]]) * chunk for h in part],
-                            parent=chain[k - 1] if k else None)  # fmt: skip
+            put_rest(c, chain, n, chunk)
             simshapes.settle(c)
         stats = c.stats()
     finally:
