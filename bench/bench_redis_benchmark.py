@@ -32,7 +32,7 @@ from pathlib import Path
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _servers import Proc, kvstrata_server, redis_server
+from _servers import Proc, kvstrata_server, redis_server, thread_cpu_seconds
 
 RPS_TARGET = 0.9
 P50_TARGET = 1.3
@@ -68,29 +68,18 @@ def command_of(name: str, test: str) -> list[str]:
     return ["KV.MATCH", NS, *(h.decode() for h in chain())]
 
 
-def cpu_seconds(proc: Proc) -> float:
-    """On-CPU time of all the server's threads (/proc/PID/task/*/schedstat, nanoseconds)."""
-    total = 0
-    for task in Path(f"/proc/{proc.process.pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended meanwhile
-    return total / 1e9
-
-
 Sample = tuple[float, float, float, float]  # rps, p50 ms, p99 ms, server CPU µs per request
 
 
 def run_cell(name: str, proc: Proc, test: str, n: int, clients: int, pipeline: int) -> Sample:
     """One redis-benchmark run and the server CPU it cost."""
-    before = cpu_seconds(proc)
+    before = thread_cpu_seconds(proc)
     out = subprocess.run(
         ["redis-benchmark", "-p", str(proc.port), "-n", str(n), "-c", str(clients),
          "-P", str(pipeline), "--csv", *command_of(name, test)],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    cpu = (cpu_seconds(proc) - before) * 1e6 / n
+    cpu = (thread_cpu_seconds(proc) - before) * 1e6 / n
     rows = [row for row in csv.reader(io.StringIO(out)) if row and row[0] != "test"]
     if len(rows) != 1:
         raise RuntimeError(f"unexpected redis-benchmark output:\n{out}")

@@ -28,21 +28,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _servers import Proc, kvstrata_server, redis_server
+from _servers import Proc, kvstrata_server, redis_server, thread_cpu_seconds
 
 TARGET = 1.5  # kvstrata CPU per small op / redis-server's
-
-
-def cpu_seconds(proc: Proc) -> float:
-    """On-CPU time (user + system) of all the server's threads, in nanosecond resolution
-    (/proc/PID/task/*/schedstat; /proc/PID/stat counts 10 ms ticks, too coarse here)."""
-    total = 0
-    for task in Path(f"/proc/{proc.process.pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended meanwhile
-    return total / 1e9
 
 
 def user_seconds(proc: Proc) -> float:
@@ -62,13 +50,13 @@ def run_benchmark(
     """{test: (ops/s, server CPU µs per op, its user part)} — measured around each test."""
     results = {}
     for test in tests.split(","):
-        before, user = cpu_seconds(proc), user_seconds(proc)
+        before, user = thread_cpu_seconds(proc), user_seconds(proc)
         out = subprocess.run(
             ["redis-benchmark", "-p", str(proc.port), "-t", test, "-n", str(n), "-c",
              str(clients), "-P", str(pipeline), "-d", str(size), "-r", "1000", "--csv", "-q"],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
-        cpu, user = cpu_seconds(proc) - before, user_seconds(proc) - user
+        cpu, user = thread_cpu_seconds(proc) - before, user_seconds(proc) - user
         for row in csv.reader(io.StringIO(out)):
             if row and row[0] != "test":
                 results[row[0]] = (float(row[1]), cpu * 1e6 / n, user * 1e6 / n)
