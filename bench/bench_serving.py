@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._serving_replay import compare_saved, save_run
 from tests.conftest import free_port, start_process_server
 from tests.engines.vllm_server.servers import VllmServer, start_vllm, stream, wait_ready
 from tests.engines.vllm_server.tiny_model import build_tiny_llama, prompt_words
@@ -59,6 +60,8 @@ class Result:
     probe_cold: list[float] = field(default_factory=list)
     probe_hit: list[float] = field(default_factory=list)
     probe_cached: list[int] = field(default_factory=list)
+    #: every request served, workload and probes: (prompt tokens, cached tokens, TTFT s)
+    requests: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -81,6 +84,7 @@ def workload(server: VllmServer, result: Result, args: argparse.Namespace) -> No
             if turn:
                 result.returning.append(got.ttft)
             result.prompt_tokens += got.prompt_tokens
+            result.requests.append((got.prompt_tokens, got.cached_tokens, got.ttft))
             result.cached_tokens += got.cached_tokens
     result.seconds = time.perf_counter() - start
 
@@ -88,10 +92,14 @@ def workload(server: VllmServer, result: Result, args: argparse.Namespace) -> No
 def probe(server: VllmServer, result: Result, args: argparse.Namespace) -> None:
     for p in range(args.probes):
         prompt = prompt_words(2001, seed=50_000 + p)
-        result.probe_cold.append(stream(server, prompt, max_tokens=4).ttft)
+        cold = stream(server, prompt, max_tokens=4)
+        result.probe_cold.append(cold.ttft)
+        result.requests.append((cold.prompt_tokens, cold.cached_tokens, cold.ttft))
         for e in range(3):
-            stream(server, prompt_words(2001, seed=60_000 + 10 * p + e), max_tokens=4)
+            got = stream(server, prompt_words(2001, seed=60_000 + 10 * p + e), max_tokens=4)
+            result.requests.append((got.prompt_tokens, got.cached_tokens, got.ttft))
         hit = stream(server, prompt, max_tokens=4)
+        result.requests.append((hit.prompt_tokens, hit.cached_tokens, hit.ttft))
         result.probe_hit.append(hit.ttft)
         result.probe_cached.append(hit.cached_tokens)
 
@@ -146,66 +154,6 @@ def plot(results: list[Result], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def replay_compare(
-    trace: Path, stats: dict, dram: int, nvme: int, model_dir: Path, measured: Result
-) -> list[str]:
-    """The recorded trace replayed by ``kvstrata simulate``'s engine at the server's capacities:
-    the share of chunk reads each tier served, as the server counted (KV.STATS) and as
-    predicted (points of all reads; a chunk is 32 tokens of the tiny model, so it is also the
-    share of the tokens read from kvstrata)."""
-    from kvstrata.config import OPTIONS
-    from kvstrata.sim.engine import Simulator
-    from kvstrata.sim.replay import replay
-    from kvstrata.sim.vtiers import TierSpec
-    from kvstrata.store.policy import tier_policy
-    from kvstrata.tracefile import read_trace
-    from tests.simshapes import shares
-
-    vals = {o.name: o.default for o in OPTIONS}
-    specs = [
-        TierSpec("dram", dram, 64e9, 1e-5, tier_policy(vals, "dram")),
-        TierSpec("nvme", nvme, 14e9, 8e-5, tier_policy(vals, "nvme"), int(vals["nvme-slab-max"])),
-    ]
-    sim = Simulator(specs, int(vals["prefetch-concurrency"]))
-    events = list(read_trace(trace))
-    replay(sim, events)
-    ops: dict[str, int] = {}
-    for ev in events:
-        ops[ev.op] = ops.get(ev.op, 0) + 1
-    simulated = {t.name: t.counters.as_dict() for t in sim.tiers}
-    server, model = shares(stats, ["dram", "nvme"]), shares(simulated, ["dram", "nvme"])
-    lines = [
-        f"trace: {len(events)} records " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())),
-        "| chunk reads served by | server (KV.STATS) | simulator (replayed trace) | gap |",
-        "|---|---|---|---|",
-    ]
-    for k in server:
-        gap = abs(server[k] - model[k])
-        lines.append(f"| {k} | {server[k]:.1f} % | {model[k]:.1f} % | {gap:.1f} |")
-    for tier in ("dram", "nvme"):
-        for counter in ("promotions", "demotions", "evictions"):
-            a, b = int(stats[tier][counter]), int(simulated[tier][counter])
-            lines.append(f"| {tier} {counter} (chunks) | {a} | {b} | {abs(a - b)} |")
-    # the TTFT model beside the measured TTFT: this machine measured (--hardware local), the
-    # tiny model's config, one request per KV.MATCH the connector sent
-    from kvstrata.sim.calibrate import local_hardware
-    from kvstrata.sim.economics import model_from_config
-    from kvstrata.sim.replay import Plan, report
-
-    hw = local_hardware(trace.parent)
-    tiny = model_from_config(model_dir / "config.json", 4.0)  # float32 KV
-    plan = Plan(dram, nvme, model=tiny, hardware=hw, mfu=0.5, chunk_tokens=32)
-    rep = report(sim, plan, 1.0, 0)
-    lines += [
-        "",
-        f"TTFT model ({hw.name}, {hw.peak_flops / 1e9:.0f} GFLOP/s measured, MFU 50 %) over the "
-        f"{rep['requests']} KV.MATCH requests: p50 {rep['ttft']['p50'] * 1e3:.1f} ms, p99 "
-        f"{rep['ttft']['p99'] * 1e3:.1f} ms; measured by the client (all requests): p50 "
-        f"{pct(measured.ttft, 0.5) * 1e3:.0f} ms, p99 {pct(measured.ttft, 0.99) * 1e3:.0f} ms",
-    ]
-    return lines
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=16)
@@ -226,7 +174,16 @@ def main() -> None:
         choices=("vllm", "vllm+cpu", "vllm+kvstrata"),
         help="run only these contenders (repeatable; verdicts need all three)",
     )
+    ap.add_argument(
+        "--from-trace",
+        metavar="PATH",
+        help="print the replay comparison of an earlier run's --trace-file PATH again (it "
+        "saved the server's KV.STATS and the requests beside it), starting no server",
+    )
     args = ap.parse_args()
+    if args.from_trace:
+        print("\n".join(compare_saved(Path(args.from_trace))))
+        return
 
     work = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     model = build_tiny_llama(Path.home() / ".cache/kvstrata/models/tiny-llama-s0", seed=0)
@@ -268,10 +225,9 @@ def main() -> None:
             from kvstrata.clients.sync import Client
 
             stats = Client("127.0.0.1", kv.port).stats()
-            lines = replay_compare(
-                Path(args.trace_file), stats, host, 1 << 30, model, results["vllm+kvstrata"]
-            )
-            print("\n" + "\n".join(lines))
+            path = Path(args.trace_file)
+            save_run(path, stats, host, 1 << 30, model, results)
+            print("\n" + "\n".join(compare_saved(path)))
         if args.plot:
             plot(list(results.values()), args.plot)
     finally:

@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation of prefill")
     p.add_argument(
+        "--prefill-fit",
+        metavar="MS,US[,US]",
+        help="the engine's measured prefill instead of the FLOPs model: fixed ms per request, "
+        "µs per token computed (and per token cached), e.g. as bench/bench_serving.py fits it",
+    )
+    p.add_argument(
         "--chunk-tokens",
         type=int,
         default=256,
@@ -152,7 +158,19 @@ def _plan(args: argparse.Namespace, **sizes: int | None) -> Plan:
         hw,
         args.mfu,
         args.chunk_tokens,
+        _prefill(args.prefill_fit),
     )
+
+
+def _prefill(text: str | None) -> Any:
+    if text is None:
+        return None
+    from kvstrata.sim.ttft import parse_fit
+
+    try:
+        return parse_fit(text)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _measure(spec: str) -> Any:
@@ -179,7 +197,9 @@ def _pct(ratio: float | None, width: int) -> str:
 def table(rep: dict[str, Any]) -> str:
     """The report of one run as text."""
     lines = [
-        f"{rep['model']} on {rep['hardware']}, MFU {rep['mfu']:.0%}: {rep['requests']} "
+        f"{rep['model']} on {rep['hardware']}, "
+        + (f"prefill {rep['prefill']}" if rep.get("prefill") else f"MFU {rep['mfu']:.0%}")
+        + f": {rep['requests']} "
         f"requests, {rep['chunk_ops']} chunk ops in {rep['seconds']} s "
         f"({rep['chunk_ops_per_second']:,}/s)",
         f"{'tier':<6}{'capacity':>12}{'hit %':>8}{'hits':>10}{'misses':>10}"
@@ -201,7 +221,9 @@ def table(rep: dict[str, Any]) -> str:
     lines.append(
         f"prefill GPU-seconds {gs['prefill']:.1f} of {gs['recompute']:.1f} "
         f"(saved {gs['saved']:.1f}); prefetched chunks {pf['chunks']} "
-        f"(timely {pf['timely']}, late {pf['late']})"
+        f"(used timely {pf['timely']}, used late {pf['used_late']}; requests {pf['requests']}: "
+        f"late {pf['late']}, dropped {pf['dropped']}, deduped {pf['deduped']}, "
+        f"cancelled {pf['cancelled']})"
     )
     lines.append("links (GB): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rep["links"].items()))
     return "\n".join(lines)

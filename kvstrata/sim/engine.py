@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstrata.chunks import ChunkKey
+from kvstrata.sim.prefetch import PrefetchModel
 from kvstrata.sim.vtiers import ORDER, TierSpec, VTier
 from kvstrata.store.index import ChunkIndex, ChunkRecord
 from kvstrata.store.lru import LruHeap
@@ -57,7 +58,13 @@ class MatchResult:
 class Simulator:
     """See the module docstring. ``specs`` in any order; they are stacked gpu, dram, nvme, s3."""
 
-    def __init__(self, specs: Sequence[TierSpec], prefetch_concurrency: int = 4) -> None:
+    def __init__(
+        self,
+        specs: Sequence[TierSpec],
+        prefetch_concurrency: int = 4,
+        prefetch_queue: int = 1024,
+        prefetch_bandwidth: float = 0.0,
+    ) -> None:
         self.tiers = [VTier(s) for s in sorted(specs, key=lambda s: ORDER.index(s.name))]
         self.by_name = {t.name: t for t in self.tiers}
         self.dram = self.by_name.get("dram")
@@ -69,13 +76,11 @@ class Simulator:
         self.sessions = SessionTable(clock=lambda: self.now)
         self.links: dict[str, int] = {}
         self.requests: list[MatchResult] = []
-        self.prefetch = {
-            "requests": 0, "chunks": 0, "bytes": 0, "timely": 0, "late": 0, "expired": 0,
-        }  # fmt: skip
-        self._ready: dict[ChunkKey, float] = {}
-        #: ``prefetch-concurrency``: the server's prefetch workers (channels of the model)
-        self.prefetch_concurrency = prefetch_concurrency
-        self._channels = [0.0] * max(1, prefetch_concurrency)  # when each worker is free
+        #: the server's prefetch scheduler: ``prefetch-concurrency`` workers, ``prefetch-queue``
+        #: requests, ``prefetch-bandwidth`` bytes/s
+        self.prefetcher = PrefetchModel(
+            self, prefetch_concurrency, prefetch_queue, float(prefetch_bandwidth)
+        )
         self._leases: dict[str, list[ChunkRecord]] = {}
         #: when the demoter runs: "immediate" (after every command that may need it, as a
         #: server whose demoter keeps up) or "recorded" (at a trace's ``demote`` marks)
@@ -99,6 +104,7 @@ class Simulator:
         """Advance to trace time ``t``; every command gets its own LRU stamp (order is what the
         server's monotonic clock gives too)."""
         self.now = max(self.now, t)
+        self.prefetcher.advance(self.now)  # the prefetch workers' moves up to now come first
         self.stamp += 1.0
         self.ops += 1
 
@@ -390,6 +396,7 @@ class Simulator:
         target = self.by_name.get(tier or ("gpu" if self.gpu else "dram"))
         if target is None or self.dram is None:
             return 0
+        found = self._found_in(ns, hashes, target)  # before any promotion
         self._promote_ahead(ns, hashes, target)
         held: list[ChunkRecord] = []
         n = 0
@@ -403,7 +410,7 @@ class Simulator:
             rec.last_access = self.stamp
             rec.hits += 1
             self._arrived(rec)
-            where.counters.hits += 1
+            self._count_read(found.get(rec.key) or where)
             self._link(where.name, "engine", rec.size)
             n += 1
             if lease_id:
@@ -413,6 +420,31 @@ class Simulator:
             self._leases[lease_id] = held
         self.enforce()
         return n
+
+    def _found_in(self, ns: str, hashes: Sequence[bytes], target: VTier) -> dict[ChunkKey, VTier]:
+        """``ReadPath._found_in``: the lease tier when it holds a leading chunk, else the
+        fastest tier that does."""
+        found: dict[ChunkKey, VTier] = {}
+        for h in hashes:
+            rec = self.index.get(ChunkKey(ns, h))
+            if rec is None or not rec.tiers:
+                break
+            moving = self.prefetcher.moving_from(rec, self.now)  # not landed: found below
+            if moving is not None:
+                found[rec.key] = self.by_name[moving]
+                continue
+            hit = target.name in rec.tiers
+            found[rec.key] = target if hit else next(t for t in self.tiers if t.name in rec.tiers)
+        return found
+
+    def _count_read(self, tier: VTier) -> None:
+        """``ReadPath._count_read``: a leased chunk is a read of the tier it was found in (a
+        miss in each faster tier, a hit there), as KV.GET counts one."""
+        for t in self.tiers:
+            if t is tier:
+                t.counters.hits += 1
+                return
+            t.counters.misses += 1
 
     def _promote_ahead(self, ns: str, hashes: Sequence[bytes], target: VTier) -> None:
         """``ReadPath._promote_ahead``: when two or more leading chunks are below the lease
@@ -461,50 +493,43 @@ class Simulator:
         if entry is None:
             return 0
         chain = chain_to(entry.tail, lambda h: self.index.get(ChunkKey(ns, h)), MAX_CHAIN)
-        return self.prefetch_chain(ns, chain, to)
+        return self.prefetch_chain(ns, chain, to, session=sid)
 
     def prefetch_chain(
-        self, ns: str, hashes: Sequence[bytes], to: str | None = None, deadline_ms: int = 0
+        self,
+        ns: str,
+        hashes: Sequence[bytes],
+        to: str | None = None,
+        deadline_ms: int = 0,
+        session: bytes | None = None,
     ) -> int:
-        """KV.PREFETCH as the server's scheduler runs it: the chunks it would queue
-        (``prefetch_todo``), moved root first by :attr:`prefetch_concurrency` workers. Room is
-        made for a group of that many at once (the writers' room maker serves its waiters
-        together), each chunk is touched when it lands; each worker is a channel at the source
-        link's latency and bandwidth, which gives every chunk its ready time (``timely`` /
-        ``late`` when used); with a deadline, chunks that could not start before it are
-        abandoned and the request counts ``expired``. The moves are done at once (their
-        placement effects); only their timing is modelled."""
+        """KV.PREFETCH: the chunks the server's scheduler would queue (``prefetch_todo``),
+        handed to :attr:`prefetcher`, which moves them when its workers would
+        (:mod:`kvstrata.sim.prefetch`); the chunks queued (0: none, deduplicated into a
+        queued request, or dropped at a full queue)."""
         target = self.by_name.get(to or "dram")
         if target is None or target.spec.shared:
             return 0
         budget = prefetch_budget(target.spec.policy, target.capacity)
         todo = prefetch_todo(hashes, lambda h: self.index.get(ChunkKey(ns, h)), target.name, budget)
-        self.prefetch["requests"] += 1
-        end = self.now + deadline_ms / 1000 if deadline_ms > 0 else None
-        records = [r for r in map(lambda h: self.index.get(ChunkKey(ns, h)), todo) if r]
-        moved = 0
-        width = max(1, self.prefetch_concurrency)
-        for start in range(0, len(records), width):
-            group = records[start : start + width]
-            if end is not None and min(self._channels) > end:
-                self.prefetch["expired"] += 1  # the turn loads the rest itself
-                break
-            self._room_for_group(group, target)
-            for rec in group:
-                src = next((t for t in self.tiers if t.name in rec.tiers), None)
-                if src is None or not self._ensure(rec, target):
-                    continue
-                moved += 1
-                self.stamp += 1e-6  # landed one after the other: distinct LRU stamps
-                rec.last_access = self.stamp
-                i = self._channels.index(min(self._channels))
-                begin = max(self.now, self._channels[i])
-                self._channels[i] = begin + src.spec.latency + rec.size / src.spec.bandwidth
-                self._ready[rec.key] = self._channels[i]
-                self.prefetch["chunks"] += 1
-                self.prefetch["bytes"] += rec.size
-        self.enforce()
-        return moved
+        if not todo:
+            return 0
+        before = self.prefetcher.counts["deduped"]
+        req = self.prefetcher.submit(ns, todo, target.name, deadline_ms, session)
+        if req is None or self.prefetcher.counts["deduped"] != before:
+            return 0
+        self.prefetcher.advance(self.now)  # a free worker starts at once
+        return len(todo)
+
+    @property
+    def prefetch(self) -> dict[str, int]:
+        """The prefetch counters (:data:`kvstrata.sim.prefetch.COUNTERS`)."""
+        return self.prefetcher.counts
+
+    def finish(self) -> None:
+        """The end of a run: the prefetch queue runs to its end, as the server's does before
+        its counters are read."""
+        self.prefetcher.drain()
 
     def _room_for_group(self, group: Sequence[ChunkRecord], target: VTier) -> None:
         """One round of victims for chunks that wait for room in ``target`` together."""
@@ -517,6 +542,5 @@ class Simulator:
 
     def _arrived(self, rec: ChunkRecord) -> None:
         """A prefetched chunk is used: was it there in time?"""
-        ready = self._ready.pop(rec.key, None) if self._ready else None
-        if ready is not None:
-            self.prefetch["timely" if ready <= self.now else "late"] += 1
+        if self.prefetcher.ready:
+            self.prefetcher.arrived(rec, self.now)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kvstrata.config import OPTIONS
 from kvstrata.sim.economics import Hardware, Model, load_seconds, recompute_seconds
 from kvstrata.sim.engine import MatchResult, Simulator
+from kvstrata.sim.ttft import PrefillFit
 from kvstrata.sim.vtiers import TierSpec
 from kvstrata.sim.workload import Workload, drive, generate
 from kvstrata.store.policy import tier_policy
@@ -30,6 +31,8 @@ class Plan:
     hardware: Hardware | None = None
     mfu: float = 0.5
     chunk_tokens: int = 256
+    #: the engine's measured prefill (``--prefill-fit``) instead of FLOPs at ``mfu``
+    prefill: PrefillFit | None = None
 
 
 def tier_specs(plan: Plan, hw: Hardware, values: dict | None = None) -> list[TierSpec]:
@@ -89,8 +92,9 @@ def replay(sim: Simulator, events: Iterable[Event]) -> int:
         elif ev.session is not None and not ev.hashes:
             n += sim.prefetch_session(ev.ns, ev.session, ev.to) + 1
         else:
-            sim.prefetch_chain(ev.ns, ev.hashes, ev.to, ev.deadline)
+            sim.prefetch_chain(ev.ns, ev.hashes, ev.to, ev.deadline, ev.session)
             n += len(ev.hashes)
+    sim.finish()
     return n
 
 
@@ -130,6 +134,7 @@ def run_workload(sim: Simulator, wl: Workload, chunk_bytes: int) -> int:
     for item in generate(wl):
         target.t = item.t
         n += drive(target, wl, item, chunk_bytes)
+    sim.finish()
     return n
 
 
@@ -151,6 +156,9 @@ def _ttft(req: MatchResult, plan: Plan, model: Model, hw: Hardware) -> tuple[flo
         cached += tokens or ct
     cached = min(cached, total)
     load = sum(load_seconds(b, hw.links[t]) for t, b in by_tier.items())
+    if plan.prefill is not None:  # the engine's own prefill, fitted to measured requests
+        fit = plan.prefill
+        return load + fit.seconds(total - cached, cached), fit.seconds(total), cached
     rest = recompute_seconds(model, total - cached, hw, plan.mfu)
     return load + rest, recompute_seconds(model, total, hw, plan.mfu), cached
 
@@ -175,6 +183,7 @@ def report(sim: Simulator, plan: Plan, wall: float, chunk_ops: int) -> dict:
         "model": plan.model.name,
         "hardware": plan.hardware.name,
         "mfu": plan.mfu,
+        "prefill": plan.prefill.describe() if plan.prefill is not None else None,
         "ops": sim.ops,
         "chunk_ops": chunk_ops,
         "seconds": round(wall, 3),
@@ -204,7 +213,10 @@ def run(plan: Plan, events: list[Event] | None, wl: Workload | None) -> dict:
     """One simulation of a trace (``events``) or a workload with ``plan``'s tiers."""
     assert plan.model is not None and plan.hardware is not None
     sim = Simulator(
-        tier_specs(plan, plan.hardware), int(DEFAULTS["prefetch-concurrency"] or 4)
+        tier_specs(plan, plan.hardware),
+        int(DEFAULTS["prefetch-concurrency"] or 4),
+        int(DEFAULTS["prefetch-queue"] or 1024),
+        float(DEFAULTS["prefetch-bandwidth"] or 0),
     )
     start = time.perf_counter()
     if events is not None:

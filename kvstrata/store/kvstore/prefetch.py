@@ -134,7 +134,10 @@ class PrefetchPath:
         # every prefetch (KV.PREFETCH, of a session, KV.MATCH PREFETCH) comes here with its
         # chain resolved: the trace has the chunks the server chose from, not the session;
         # after the lookups, so that an expiry they caused is recorded first
-        self.state.trace("prefetch", ns, hashes, to=name, deadline=deadline_ms or 0)
+        # (with its session: a newer request of a session cancels the older one)
+        self.state.trace(
+            "prefetch", ns, hashes, to=name, deadline=deadline_ms or 0, session=session
+        )
         if not todo:
             return 0, 0
         req: PrefetchRequest | None = self.prefetch.submit(ns, todo, name, deadline_ms, session)

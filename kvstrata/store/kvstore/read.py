@@ -277,6 +277,7 @@ class ReadPath:
         target = self.lease_target(tier)
         if self.remote is not None:
             await self.remote.ensure_known(ns, hashes)
+        found = self._found_in(ns, hashes, target)  # before any promotion
         await self._promote_ahead(ns, hashes, target)
         records: list[ChunkRecord] = []
         handles: list[Handle] = []
@@ -294,7 +295,7 @@ class ReadPath:
                 rec.hits += 1
                 records.append(rec)
                 handles.append(handle)
-                state.counters[handle_tier(state, handle)].hits += 1
+                self._count_read(found.get(rec.key) or handle_tier(state, handle))
         except BaseException:
             self._unpin_all(records)
             raise
@@ -312,6 +313,33 @@ class ReadPath:
         state.leases.add(lease)
         state.trace("lease", ns, hashes, to=target, lease=lease.id)
         return lease
+
+    def _found_in(self, ns: str, hashes: Sequence[bytes], target: str) -> dict[ChunkKey, str]:
+        """Where each leading chunk of a lease is now: the lease tier when it holds the chunk,
+        else the fastest tier that does (what a KV.GET would read it from)."""
+        state = self.state
+        found: dict[ChunkKey, str] = {}
+        for h in hashes:
+            rec = state.live(ChunkKey(ns, h))
+            if rec is None or not rec.tiers:
+                break
+            if target in rec.tiers:
+                found[rec.key] = target
+            else:
+                found[rec.key] = next(t.name for t in state.tiers if t.name in rec.tiers)
+        return found
+
+    def _count_read(self, tier: str) -> None:
+        """A leased chunk counts as a read of the tier it was found in, as KV.GET counts one:
+        a miss in each faster tier, a hit there (its promotion into the lease tier is counted
+        as the promotion it is). So a lease of a chunk held in NVMe is an NVMe hit, like a
+        GET served from NVMe, and the per-tier shares say where the engine's reads came from."""
+        counters = self.state.counters
+        for t in self.state.tiers:
+            if t.name == tier:
+                counters[t.name].hits += 1
+                return
+            counters[t.name].misses += 1
 
     async def _lease_handle(self, rec: ChunkRecord, target: str) -> Handle | None:
         """Bring ``rec`` into ``target`` (or DRAM) and return its handle there; synchronous
