@@ -56,10 +56,10 @@ class Recorder:
         self.sim.t = self.t
         return self.sim.session(ns, sid, tail)
 
-    def prefetch_session(self, ns: str, sid: bytes) -> object:
-        self.events.append(Event(self.t, "prefetch", ns, (), session=sid))
+    def prefetch_session(self, ns: str, sid: bytes, deadline_ms: int = 0) -> object:
+        self.events.append(Event(self.t, "prefetch", ns, (), session=sid, deadline=deadline_ms))
         self.sim.t = self.t
-        return self.sim.prefetch_session(ns, sid)
+        return self.sim.prefetch_session(ns, sid, deadline_ms)
 
 
 def _peer(events: list[Event], cap: int, size: int) -> float:
@@ -112,8 +112,10 @@ def main() -> None:
         times["peer"].append(_peer(events, (32 << 30) // size, size))
 
     turns = sum(1 for i in items if not isinstance(i, Prefetch))
-    print(f"{turns} turns, {len(events)} commands, {ops} chunk ops; best of {args.rounds} "
-          "alternating rounds\n")
+    print(
+        f"{turns} turns, {len(events)} commands, {ops} chunk ops; best of {args.rounds} "
+        "alternating rounds\n"
+    )
     print(f"{'run':<26}{'seconds':>9}{'chunk ops/s':>14}{'per minute':>14}{'vs peer':>9}")
     peer = min(times["peer"])
     for name, key, n in (
@@ -122,8 +124,7 @@ def main() -> None:
         ("peer: OrderedDict LRU", "peer", ops),
     ):
         secs = min(times[key])
-        print(f"{name:<26}{secs:>9.2f}{n / secs:>14,.0f}{60 * n / secs:>14,.0f}"
-              f"{peer / secs:>9.3f}")
+        print(f"{name:<26}{secs:>9.2f}{n / secs:>14,.0f}{60 * n / secs:>14,.0f}{peer / secs:>9.3f}")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tokens per chunk for traces without token counts",
     )
+    p.add_argument(
+        "--prefetch-concurrency", type=int, default=4, metavar="N",
+        help="the server's prefetch workers (config prefetch-concurrency)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefetch-queue", type=int, default=1024, metavar="N",
+        help="most queued prefetch requests (config prefetch-queue)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefetch-bandwidth", default="0", metavar="SIZE",
+        help="prefetch bytes per second, 0: no cap (config prefetch-bandwidth)",
+    )  # fmt: skip
     p.add_argument("--sweep", metavar="TIER=LO..HI[:N]", help="e.g. dram=64GiB..2TiB")
     p.add_argument("--plot", metavar="FILE.png", help="with --sweep: draw the curve")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -159,7 +171,16 @@ def _plan(args: argparse.Namespace, **sizes: int | None) -> Plan:
         args.mfu,
         args.chunk_tokens,
         _prefill(args.prefill_fit),
+        _positive(args.prefetch_concurrency, "--prefetch-concurrency"),
+        _positive(args.prefetch_queue, "--prefetch-queue"),
+        float(_size(args.prefetch_bandwidth, "--prefetch-bandwidth") or 0),
     )
+
+
+def _positive(n: int, what: str) -> int:
+    if n < 1:
+        raise UsageError(f"invalid {what} {n}: must be at least 1")
+    return n
 
 
 def _prefill(text: str | None) -> Any:

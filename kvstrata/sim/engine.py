@@ -379,7 +379,9 @@ class Simulator:
             if rec is None or not rec.tiers:
                 break
             rec.last_access = self.stamp
-            tier = next(t.name for t in self.tiers if t.name in rec.tiers)
+            # a chunk a prefetch worker is still moving is loaded as from where it comes
+            tier = self.prefetcher.moving_from(rec, self.now) if self.prefetcher.ready else None
+            tier = tier or next(t.name for t in self.tiers if t.name in rec.tiers)
             result.found.append((tier, rec.size, rec.tokens))
             found.append(h)
         self.requests.append(result)
@@ -488,12 +490,14 @@ class Simulator:
     def session(self, ns: str, sid: bytes, tail: bytes, ttl_ms: int = 3_600_000) -> None:
         self.sessions.record(ns, sid, tail, ttl_ms)
 
-    def prefetch_session(self, ns: str, sid: bytes, to: str | None = None) -> int:
+    def prefetch_session(
+        self, ns: str, sid: bytes, to: str | None = None, deadline_ms: int = 0
+    ) -> int:
         entry = self.sessions.get(ns, sid)
         if entry is None:
             return 0
         chain = chain_to(entry.tail, lambda h: self.index.get(ChunkKey(ns, h)), MAX_CHAIN)
-        return self.prefetch_chain(ns, chain, to, session=sid)
+        return self.prefetch_chain(ns, chain, to, deadline_ms, sid)
 
     def prefetch_chain(
         self,

@@ -54,6 +54,7 @@ class SimRequest:
     target: str
     deadline: float | None
     session: bytes | None
+    submitted: float = 0.0  # no chunk of it starts before
     next: int = 0  # the next chunk to start
     started: bool = False
     end: float = 0.0  # when its last started chunk is ready
@@ -111,7 +112,7 @@ class PrefetchModel:
             self.counts["dropped"] += 1
             return None
         deadline = now + deadline_ms / 1000 if deadline_ms > 0 else None
-        req = SimRequest(ns, hashes, target, deadline, session)
+        req = SimRequest(ns, hashes, target, deadline, session, now)
         self.counts["requests"] += 1
         self._queue.append(req)
         self._same[(ns, target, hashes)] = req
@@ -128,7 +129,7 @@ class PrefetchModel:
         """Start every chunk a worker would start by time ``t``."""
         while self._queue:
             free = self._workers[0]
-            start = max(free, self._slot if self.bandwidth > 0 else 0.0)
+            start = max(free, self._queue[0].submitted, self._slot if self.bandwidth > 0 else 0)
             if start > t:
                 return
             # paced: one chunk at a time (each waits for the budget the previous one used)

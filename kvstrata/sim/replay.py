@@ -33,6 +33,10 @@ class Plan:
     chunk_tokens: int = 256
     #: the engine's measured prefill (``--prefill-fit``) instead of FLOPs at ``mfu``
     prefill: PrefillFit | None = None
+    #: the server's prefetch scheduler (``prefetch-concurrency``, ``-queue``, ``-bandwidth``)
+    prefetch_concurrency: int = int(DEFAULTS["prefetch-concurrency"] or 4)
+    prefetch_queue: int = int(DEFAULTS["prefetch-queue"] or 1024)
+    prefetch_bandwidth: float = float(DEFAULTS["prefetch-bandwidth"] or 0)
 
 
 def tier_specs(plan: Plan, hw: Hardware, values: dict | None = None) -> list[TierSpec]:
@@ -90,7 +94,7 @@ def replay(sim: Simulator, events: Iterable[Event]) -> int:
             sim.session(ev.ns, ev.session, ev.hashes[0], ev.ttl or 3_600_000)
             n += 1
         elif ev.session is not None and not ev.hashes:
-            n += sim.prefetch_session(ev.ns, ev.session, ev.to) + 1
+            n += sim.prefetch_session(ev.ns, ev.session, ev.to, ev.deadline) + 1
         else:
             sim.prefetch_chain(ev.ns, ev.hashes, ev.to, ev.deadline, ev.session)
             n += len(ev.hashes)
@@ -123,9 +127,9 @@ class Ticking:
         self.sim.session(ns, sid, tail)
         return None
 
-    def prefetch_session(self, ns: str, sid: bytes) -> object:
+    def prefetch_session(self, ns: str, sid: bytes, deadline_ms: int = 0) -> object:
         self.sim.tick(self.t)
-        return self.sim.prefetch_session(ns, sid)
+        return self.sim.prefetch_session(ns, sid, deadline_ms=deadline_ms)
 
 
 def run_workload(sim: Simulator, wl: Workload, chunk_bytes: int) -> int:
@@ -214,9 +218,9 @@ def run(plan: Plan, events: list[Event] | None, wl: Workload | None) -> dict:
     assert plan.model is not None and plan.hardware is not None
     sim = Simulator(
         tier_specs(plan, plan.hardware),
-        int(DEFAULTS["prefetch-concurrency"] or 4),
-        int(DEFAULTS["prefetch-queue"] or 1024),
-        float(DEFAULTS["prefetch-bandwidth"] or 0),
+        plan.prefetch_concurrency,
+        plan.prefetch_queue,
+        plan.prefetch_bandwidth,
     )
     start = time.perf_counter()
     if events is not None:

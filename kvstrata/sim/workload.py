@@ -55,6 +55,7 @@ class Workload:
     docs_per_session: int = 1
     zipf: float = 1.1
     prefetch_lead: float = 0.0  # seconds before a turn to prefetch the session; 0: off
+    prefetch_deadline: float = 0.0  # seconds a prefetch may take (KV.PREFETCH DEADLINE); 0: none
 
 
 def load_workload(path: str | Path | None, overrides: Mapping[str, str]) -> Workload:
@@ -193,14 +194,14 @@ class Target(Protocol):
     def get(self, ns: str, h: bytes) -> object: ...
     def put(self, ns: str, h: bytes, parent: bytes, size: int, tokens: int) -> object: ...
     def session(self, ns: str, sid: bytes, tail: bytes) -> object: ...
-    def prefetch_session(self, ns: str, sid: bytes) -> object: ...
+    def prefetch_session(self, ns: str, sid: bytes, deadline_ms: int = 0) -> object: ...
 
 
 def drive(target: Target, wl: Workload, item: Request | Prefetch, chunk_bytes: int) -> int:
     """Play one item the way an engine would; the chunk operations it took."""
     ns = wl.namespace
     if isinstance(item, Prefetch):
-        target.prefetch_session(ns, item.session)
+        target.prefetch_session(ns, item.session, round(wl.prefetch_deadline * 1000))
         return 1
     hashes = item.hashes
     if not hashes:
