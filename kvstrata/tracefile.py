@@ -19,8 +19,11 @@ One JSON object per line, one line per placement-changing operation, payloads ne
 ``t`` is seconds since the recording started; hashes and parents are hex (``""``: no parent);
 session ids are text (``\\xNN``-escaped when not UTF-8). ``match`` may carry ``tokens`` (the
 prompt's length) for the economics; ``put`` may carry ``ttl`` (ms) and ``prefetch`` a
-``deadline`` (ms). A ``prefetch`` with a ``session`` and no hashes asks the simulator to resolve
-the session's chain itself (the generator writes those; the server writes the chain it resolved).
+``deadline`` (ms); ``lease`` a ``since`` (seconds from the lease's start to its record: its
+promotions ran meanwhile, beside the other commands recorded in between). A ``prefetch``
+with a ``session`` and no hashes asks the simulator to resolve the session's chain itself (the
+generator writes those); the server writes the chain it resolved, and the session when it was
+one (a newer prefetch of a session cancels its older one).
 
 The server records through the store (``StoreState.trace``), from the paths every command takes
 (STYLE rule 19):
@@ -82,6 +85,7 @@ class Event:
     ttl: int = 0  # put, session: ms (0: none)
     deadline: int = 0  # prefetch: ms (0: none)
     lease: str = ""  # lease, release: the lease id ("" : no lease was granted)
+    since: float = 0.0  # lease: seconds from the lease's start (its promotions) to ``t``
 
 
 def _hex(value: Any, what: str) -> bytes:
@@ -130,6 +134,7 @@ def parse_event(obj: Any) -> Event:
         ttl=int(obj.get("ttl", 0)),
         deadline=int(obj.get("deadline", 0)),
         lease=str(obj.get("lease", "")),
+        since=max(0.0, float(obj.get("since", 0.0))),
     )
 
 
@@ -169,6 +174,8 @@ def event_dict(ev: Event) -> dict[str, Any]:
         out["deadline"] = ev.deadline
     if ev.lease:
         out["lease"] = ev.lease
+    if ev.since:
+        out["since"] = round(ev.since, 6)
     return out
 
 

@@ -82,6 +82,7 @@ class Simulator:
             self, prefetch_concurrency, prefetch_queue, float(prefetch_bandwidth)
         )
         self._leases: dict[str, list[ChunkRecord]] = {}
+        self._begun: dict[str, dict[ChunkKey, VTier]] = {}  # leases started, not granted yet
         #: when the demoter runs: "immediate" (after every command that may need it, as a
         #: server whose demoter keeps up) or "recorded" (at a trace's ``demote`` marks)
         self.demoter = "immediate"
@@ -138,11 +139,21 @@ class Simulator:
         if need > tier.capacity:
             return False
         while tier.free() < size:
-            if not self._evict_round(i, size - tier.free()):
+            if not self._evict_round(i, size - tier.free()) and not self._round_ended(i):
                 break
         while tier.free() < need:
-            if not self._evict_round(i, size):
+            if not self._evict_round(i, size) and not self._round_ended(i):
                 return False
+        return True
+
+    def _round_ended(self, i: int) -> bool:
+        """DRAM room making found no victim: as the server's room maker, wait for the
+        eviction round in flight (``Placement.eviction_ended``) — a recorded demoter round
+        holds its victims, the tier's leaves, until it ends — then look again. True when a
+        round was in flight (it has ended now)."""
+        if self._round is None or self.tiers[i] is not self.dram:
+            return False
+        self.demoted()
         return True
 
     def _evict_round(self, i: int, need: int) -> bool:
@@ -392,14 +403,17 @@ class Simulator:
     def lease(
         self, ns: str, hashes: Sequence[bytes], tier: str | None = None, lease_id: str = ""
     ) -> int:
-        """KV.LEASE: promote the leading chunks into the lease tier, count a hit there each.
-        With ``lease_id`` (a recorded trace) the chunks stay leased, so never victims, until
-        its ``release``; without (a generated workload) the lease ends at once."""
+        """KV.LEASE: promote the leading chunks into the lease tier, count a read each where
+        it was found. With ``lease_id`` (a recorded trace) the chunks stay leased, so never
+        victims, until its ``release``; without (a generated workload) the lease ends at once.
+        A lease whose start was replayed (:meth:`lease_start`) did its promotions then."""
         target = self.by_name.get(tier or ("gpu" if self.gpu else "dram"))
         if target is None or self.dram is None:
             return 0
-        found = self._found_in(ns, hashes, target)  # before any promotion
-        self._promote_ahead(ns, hashes, target)
+        found = self._begun.pop(lease_id, None) if lease_id else None
+        if found is None:
+            found = self._found_in(ns, hashes, target)  # before any promotion
+            self._promote_ahead(ns, hashes, target)
         held: list[ChunkRecord] = []
         n = 0
         for h in hashes:
@@ -422,6 +436,20 @@ class Simulator:
             self._leases[lease_id] = held
         self.enforce()
         return n
+
+    def lease_start(
+        self, ns: str, hashes: Sequence[bytes], tier: str | None, lease_id: str
+    ) -> None:
+        """A recorded lease's start (its record's ``t`` minus ``since``): where its chunks are
+        now, and its promotions ahead, which on the server run beside the commands recorded
+        until the lease's record (writes may evict a promoted chunk before the lease pins
+        it, and the lease promotes it again)."""
+        target = self.by_name.get(tier or ("gpu" if self.gpu else "dram"))
+        if target is None or self.dram is None or not lease_id:
+            return
+        self._begun[lease_id] = self._found_in(ns, hashes, target)
+        self._promote_ahead(ns, hashes, target)
+        self.enforce()
 
     def _found_in(self, ns: str, hashes: Sequence[bytes], target: VTier) -> dict[ChunkKey, VTier]:
         """``ReadPath._found_in``: the lease tier when it holds a leading chunk, else the

@@ -3,6 +3,7 @@ report (per-tier counters with KV.STATS's names, links, prefetch, TTFT and GPU t
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -54,12 +55,41 @@ def tier_specs(plan: Plan, hw: Hardware, values: dict | None = None) -> list[Tie
     return out
 
 
+#: not a trace op: where a recorded lease started (its ``t`` minus ``since``)
+LEASE_START = "lease-start"
+
+
+def with_lease_starts(events: list[Event]) -> list[Event]:
+    """``events`` with a :data:`LEASE_START` before each lease that says how long it took,
+    placed among the records by time (a trace is in time order), so that the commands the
+    server ran during the lease's promotions come after them."""
+    starts = [
+        (ev.t - ev.since, i) for i, ev in enumerate(events) if ev.op == "lease" and ev.since > 0
+    ]
+    if not starts:
+        return events
+    times = [ev.t for ev in events]
+    at: dict[int, list[Event]] = {}
+    for t, i in starts:
+        ev = events[i]
+        j = min(bisect.bisect_right(times, t, 0, i), i)
+        start = Event(t, LEASE_START, ev.ns, ev.hashes, to=ev.to, lease=ev.lease)
+        at.setdefault(j, []).append(start)
+    out: list[Event] = []
+    for j, ev in enumerate(events):
+        out.extend(at.get(j, ()))
+        out.append(ev)
+    return out
+
+
 def replay(sim: Simulator, events: Iterable[Event]) -> int:
     """Feed trace events to the simulator; the chunk operations done. A trace that carries the
     server's ``demote`` marks runs the simulated demoter at them (``sim.demoter``); pass a
     list, or set ``sim.demoter`` first when streaming."""
-    if isinstance(events, list) and any(ev.op == "demote" for ev in events):
-        sim.demoter = "recorded"
+    if isinstance(events, list):
+        if any(ev.op == "demote" for ev in events):
+            sim.demoter = "recorded"
+        events = with_lease_starts(events)
     n = 0
     for ev in events:
         sim.tick(ev.t)
@@ -76,6 +106,8 @@ def replay(sim: Simulator, events: Iterable[Event]) -> int:
         elif op == "lease":
             sim.lease(ev.ns, ev.hashes, ev.to, ev.lease)
             n += len(ev.hashes)
+        elif op == LEASE_START:
+            sim.lease_start(ev.ns, ev.hashes, ev.to, ev.lease)
         elif op == "release":
             sim.release(ev.lease)
         elif op == "reserve":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -275,6 +276,7 @@ class ReadPath:
         first chunk is not cached."""
         state = self.state
         target = self.lease_target(tier)
+        began = time.monotonic()
         if self.remote is not None:
             await self.remote.ensure_known(ns, hashes)
         found = self._found_in(ns, hashes, target)  # before any promotion
@@ -311,7 +313,8 @@ class ReadPath:
             holder=holder,
         )
         state.leases.add(lease)
-        state.trace("lease", ns, hashes, to=target, lease=lease.id)
+        since = time.monotonic() - began  # its promotions ran beside other commands
+        state.trace("lease", ns, hashes, to=target, lease=lease.id, since=since)
         return lease
 
     def _found_in(self, ns: str, hashes: Sequence[bytes], target: str) -> dict[ChunkKey, str]:
