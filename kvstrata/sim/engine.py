@@ -82,7 +82,8 @@ class Simulator:
             self, prefetch_concurrency, prefetch_queue, float(prefetch_bandwidth)
         )
         self._leases: dict[str, list[ChunkRecord]] = {}
-        self._begun: dict[str, dict[ChunkKey, VTier]] = {}  # leases started, not granted yet
+        #: leases started, not granted yet: where their chunks were, promotions left to do
+        self._begun: dict[str, tuple[dict[ChunkKey, VTier], list[list[ChunkRecord]]]] = {}
         #: when the demoter runs: "immediate" (after every command that may need it, as a
         #: server whose demoter keeps up) or "recorded" (at a trace's ``demote`` marks)
         self.demoter = "immediate"
@@ -410,10 +411,14 @@ class Simulator:
         target = self.by_name.get(tier or ("gpu" if self.gpu else "dram"))
         if target is None or self.dram is None:
             return 0
-        found = self._begun.pop(lease_id, None) if lease_id else None
-        if found is None:
+        begun = self._begun.pop(lease_id, None) if lease_id else None
+        if begun is None:
             found = self._found_in(ns, hashes, target)  # before any promotion
-            self._promote_ahead(ns, hashes, target)
+            groups = self._ahead_groups(ns, hashes, target)
+        else:
+            found, groups = begun  # the groups its replayed parts did not reach
+        for group in groups:
+            self._promote_group(group, target)
         held: list[ChunkRecord] = []
         n = 0
         for h in hashes:
@@ -438,18 +443,23 @@ class Simulator:
         return n
 
     def lease_start(
-        self, ns: str, hashes: Sequence[bytes], tier: str | None, lease_id: str
+        self, ns: str, hashes: Sequence[bytes], tier: str | None, lease_id: str, part: int = 0
     ) -> None:
-        """A recorded lease's start (its record's ``t`` minus ``since``): where its chunks are
-        now, and its promotions ahead, which on the server run beside the commands recorded
-        until the lease's record (writes may evict a promoted chunk before the lease pins
-        it, and the lease promotes it again)."""
+        """A recorded lease in progress (its record's ``t`` minus ``since``, then ``part`` 1,
+        2 … spread until its record): at the start, where its chunks are now; at each part,
+        one group of its promotions ahead. On the server those run beside the commands
+        recorded until the lease's record: writes may evict a promoted chunk before the
+        lease pins it, and the lease promotes it again."""
         target = self.by_name.get(tier or ("gpu" if self.gpu else "dram"))
         if target is None or self.dram is None or not lease_id:
             return
-        self._begun[lease_id] = self._found_in(ns, hashes, target)
-        self._promote_ahead(ns, hashes, target)
-        self.enforce()
+        if part == 0:
+            found = self._found_in(ns, hashes, target)
+            self._begun[lease_id] = (found, self._ahead_groups(ns, hashes, target))
+        begun = self._begun.get(lease_id)
+        if begun is not None and begun[1]:
+            self._promote_group(begun[1].pop(0), target)
+            self.enforce()
 
     def _found_in(self, ns: str, hashes: Sequence[bytes], target: VTier) -> dict[ChunkKey, VTier]:
         """``ReadPath._found_in``: the lease tier when it holds a leading chunk, else the
@@ -476,11 +486,13 @@ class Simulator:
                 return
             t.counters.misses += 1
 
-    def _promote_ahead(self, ns: str, hashes: Sequence[bytes], target: VTier) -> None:
+    def _ahead_groups(
+        self, ns: str, hashes: Sequence[bytes], target: VTier
+    ) -> list[list[ChunkRecord]]:
         """``ReadPath._promote_ahead``: when two or more leading chunks are below the lease
         tier and fit in half of it, they are promoted together, room made for up to
         :data:`LEASE_AHEAD` of them in one round (the server's room maker serves its waiters
-        so), before any of them is pinned."""
+        so), before any of them is pinned: those groups."""
         below: list[ChunkRecord] = []
         for h in hashes:
             rec = self.index.get(ChunkKey(ns, h))
@@ -489,11 +501,13 @@ class Simulator:
             if target.name not in rec.tiers:
                 below.append(rec)
         if len(below) < 2 or sum(r.size for r in below) > target.capacity // 2:
-            return
-        for start in range(0, len(below), LEASE_AHEAD):
-            group = below[start : start + LEASE_AHEAD]
-            self._room_for_group(group, target)
-            for rec in group:
+            return []
+        return [below[i : i + LEASE_AHEAD] for i in range(0, len(below), LEASE_AHEAD)]
+
+    def _promote_group(self, group: Sequence[ChunkRecord], target: VTier) -> None:
+        self._room_for_group(group, target)
+        for rec in group:
+            if rec.alive and rec.tiers:
                 self._ensure(rec, target)
 
     def release(self, lease_id: str) -> None:

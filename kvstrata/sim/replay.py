@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvstrata.config import OPTIONS
 from kvstrata.sim.economics import Hardware, Model, load_seconds, recompute_seconds
-from kvstrata.sim.engine import MatchResult, Simulator
+from kvstrata.sim.engine import LEASE_AHEAD, MatchResult, Simulator
 from kvstrata.sim.ttft import PrefillFit
 from kvstrata.sim.vtiers import TierSpec
 from kvstrata.sim.workload import Workload, drive, generate
@@ -60,21 +60,23 @@ LEASE_START = "lease-start"
 
 
 def with_lease_starts(events: list[Event]) -> list[Event]:
-    """``events`` with a :data:`LEASE_START` before each lease that says how long it took,
-    placed among the records by time (a trace is in time order), so that the commands the
-    server ran during the lease's promotions come after them."""
-    starts = [
-        (ev.t - ev.since, i) for i, ev in enumerate(events) if ev.op == "lease" and ev.since > 0
-    ]
-    if not starts:
+    """``events`` with :data:`LEASE_START` s for each lease that says how long it took: its
+    start, then a part for each group of its promotions ahead, spread evenly until its
+    record, placed among the records by time (a trace is in time order), so that the commands
+    the server ran during the lease's promotions come between them."""
+    leases = [i for i, ev in enumerate(events) if ev.op == "lease" and ev.since > 0]
+    if not leases:
         return events
     times = [ev.t for ev in events]
     at: dict[int, list[Event]] = {}
-    for t, i in starts:
+    for i in leases:
         ev = events[i]
-        j = min(bisect.bisect_right(times, t, 0, i), i)
-        start = Event(t, LEASE_START, ev.ns, ev.hashes, to=ev.to, lease=ev.lease)
-        at.setdefault(j, []).append(start)
+        parts = max(1, -(-len(ev.hashes) // LEASE_AHEAD))  # a group of promotions each
+        for k in range(parts):  # (``size`` numbers the part)
+            t = ev.t - ev.since * (1 - k / parts)
+            j = min(bisect.bisect_right(times, t, 0, i), i)
+            start = Event(t, LEASE_START, ev.ns, ev.hashes, size=k, to=ev.to, lease=ev.lease)
+            at.setdefault(j, []).append(start)
     out: list[Event] = []
     for j, ev in enumerate(events):
         out.extend(at.get(j, ()))
@@ -107,7 +109,7 @@ def replay(sim: Simulator, events: Iterable[Event]) -> int:
             sim.lease(ev.ns, ev.hashes, ev.to, ev.lease)
             n += len(ev.hashes)
         elif op == LEASE_START:
-            sim.lease_start(ev.ns, ev.hashes, ev.to, ev.lease)
+            sim.lease_start(ev.ns, ev.hashes, ev.to, ev.lease, ev.size)
         elif op == "release":
             sim.release(ev.lease)
         elif op == "reserve":

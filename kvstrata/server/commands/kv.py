@@ -454,7 +454,9 @@ async def kv_del(ctx: Ctx, args: Args) -> Reply:
     "readonly",
     group="kv",
     summary="Per tier: capacity, used, chunks, hits, misses, promotions, demotions, evictions, "
-    "bytes in and out, errors and the tier's own fields.",
+    "bytes in and out, errors and the tier's own fields. A chunk read (KV.GET, KV.MGET, each "
+    "chunk of KV.LEASE) is one hit in the tier it was found in, before any promotion (a lease "
+    "of a chunk held in NVMe is an NVMe hit and a DRAM promotion), and a miss in each faster tier.",
     reply="Map: tier name → map of counters.",
 )
 def kv_stats(ctx: Ctx, args: Args) -> Reply:
