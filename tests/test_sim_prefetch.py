@@ -244,8 +244,9 @@ def test_a_lease_replayed_from_its_start_sees_the_writes_beside_it(tmp_path: Pat
     with_start, without = run(1.5), run(0.0)
     once = without.by_name["dram"].counters.promotions
     twice = with_start.by_name["dram"].counters.promotions
-    assert 8 <= once < 12, once  # (a promoted leaf may make way for the next: a few again)
-    assert twice >= once + 8, (once, twice)  # the writes evicted all 8 before the pins
+    # (in a fragmented arena a promoted chunk, an old leaf, may make way for the next one)
+    assert 8 <= once < 16, once
+    assert twice >= 16, (once, twice)  # the writes evicted all 8 before the pins: each twice
     for sim in (with_start, without):
         nvme, dram = sim.by_name["nvme"].counters, sim.by_name["dram"].counters
         assert (nvme.hits, dram.misses) == (8, 8)  # found in NVMe when the lease started

@@ -578,13 +578,36 @@ class Simulator:
         self.prefetcher.drain()
 
     def _room_for_group(self, group: Sequence[ChunkRecord], target: VTier) -> None:
-        """One round of victims for chunks that wait for room in ``target`` together."""
-        below = [r for r in group if target.name not in r.tiers]
-        need = sum(target.spec.footprint(r.size) for r in below) - target.free()
-        if len(below) > 1 and need > 0:
-            j = self.tiers.index(target)
-            for victim in pick_victims(self.heaps[target.name], need):
-                self.move_down(victim, j)
+        """Chunks that wait for room in ``target`` together. In DRAM, as the server's room
+        maker serves its waiters (``store/room.py``): the head is promoted when it fits, else a
+        round of victims for all of the (up to :data:`LEASE_AHEAD`) waiting, then, when none
+        could leave, the demoter's round in flight ends or a round for the head alone; a head
+        nothing makes room for gives up. Elsewhere one round of victims for the group."""
+        j = self.tiers.index(target)
+        waiting = [r for r in group if target.name not in r.tiers]
+        if target is not self.dram:
+            need = sum(target.spec.footprint(r.size) for r in waiting) - target.free()
+            if len(waiting) > 1 and need > 0:
+                for victim in pick_victims(self.heaps[target.name], need):
+                    self.move_down(victim, j)
+            return
+        while waiting:
+            head = waiting[0]
+            if not head.alive or not head.tiers or target.name in head.tiers:
+                waiting.pop(0)
+                continue
+            size = target.spec.footprint(head.size)
+            if target.free() >= size:
+                self.copy_into(head, target, make_room=False)
+                waiting.pop(0)
+                continue
+            ahead = waiting[:LEASE_AHEAD]
+            need = sum(target.spec.footprint(r.size) for r in ahead) - target.free()
+            if need > 0 and self._evict_round(j, need):
+                continue
+            if self._round_ended(j) or self._evict_round(j, size):
+                continue
+            waiting.pop(0)  # nothing can leave: the head's promotion fails
 
     def _arrived(self, rec: ChunkRecord) -> None:
         """A prefetched chunk is used: was it there in time?"""

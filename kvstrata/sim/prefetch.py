@@ -174,12 +174,18 @@ class PrefetchModel:
         req, records = batch
         sim = self.sim
         target = sim.by_name[req.target]
+        # where each comes from (None: already in the target, e.g. a read promoted it)
+        srcs = [
+            None
+            if target.name in rec.tiers
+            else next((t for t in sim.tiers if t.name in rec.tiers and t is not target), None)
+            for rec in records
+        ]
         sim._room_for_group(records, target)  # the room maker serves waiters together
-        for rec in records:
-            src = next((t for t in sim.tiers if t.name in rec.tiers and t is not target), None)
+        for rec, src in zip(records, srcs, strict=True):
             worker = heapq.heappop(self._workers)
             begin = max(worker, start)
-            if src is None or target.name in rec.tiers or not sim._ensure(rec, target):
+            if src is None or not (target.name in rec.tiers or sim._ensure(rec, target)):
                 self.counts["skipped"] += 1  # already there (a read promoted it), or no room
                 heapq.heappush(self._workers, begin)
                 continue
