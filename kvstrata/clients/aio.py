@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 from kvstrata.clients import commands as cmd
 from kvstrata.clients.aioconn import AsyncConnection, AsyncConnectionPool
 from kvstrata.clients.commands import Call, HashLike
-from kvstrata.clients.connection import LEASE_CONN_CLOSED, ConnectionSettings
+from kvstrata.clients.connection import LEASE_CONN_CLOSED, ConnectionSettings, loading_delays
 from kvstrata.clients.handles import RegionMapError, lease_tier
 from kvstrata.clients.leases import (
     Fence,
@@ -37,7 +37,7 @@ from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseId, RegionInfo
 from kvstrata.clients.sync import settings_from_url
-from kvstrata.protocol.errors import LeaseError, LeaseLimitError, RespError
+from kvstrata.protocol.errors import LeaseError, LeaseLimitError, LoadingError, RespError
 
 __all__ = [
     "AsyncClient",
@@ -254,13 +254,23 @@ class AsyncClient:
         """The result of ``call`` run on ``via`` (default: a pooled connection; ``via`` may be
         in use by other tasks too: replies come back in order), and the connection it ran on
         (a lease taken is that connection's)."""
-        if via is not None:
-            if via.closed:
-                raise LeaseError(LEASE_CONN_CLOSED)
-            return call.result((await via.pipeline([call.args], [call.out]))[0]), via
-        async with self.pool.connection() as conn:
-            reply = (await conn.pipeline([call.args], [call.out]))[0]
-        return call.result(reply), conn
+        delays = None
+        while True:
+            if via is not None:
+                if via.closed:
+                    raise LeaseError(LEASE_CONN_CLOSED)
+                conn, reply = via, (await via.pipeline([call.args], [call.out]))[0]
+            else:
+                async with self.pool.connection() as conn:
+                    reply = (await conn.pipeline([call.args], [call.out]))[0]
+            if type(reply) is not LoadingError:
+                return call.result(reply), conn
+            # the server is still building its tiers: nothing was done, send it again
+            delays = delays or loading_delays(self.settings.loading_timeout)
+            delay = next(delays, None)
+            if delay is None:
+                raise reply  # still loading after loading_timeout seconds
+            await asyncio.sleep(delay)
 
     async def execute(self, *args: Any, out: Any = None) -> Any:
         return await self._run(cmd.raw(args, out))

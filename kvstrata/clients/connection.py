@@ -64,6 +64,20 @@ class ConnectionSettings:
     #: TLS to the server's ``tls-port`` (sync and async clients); None: plain TCP
     tls: ssl.SSLContext | None = None
     tls_server_name: str | None = None  # for certificate checks; default: host
+    #: how long a command the server refuses with ``-LOADING`` (its tiers are being built, its
+    #: NVMe index rebuilt: nothing was done) is sent again, seconds; 0: raise LoadingError
+    loading_timeout: float = 60.0
+
+
+def loading_delays(timeout: float) -> Iterator[float]:
+    """Pauses between the tries of a command refused with ``-LOADING``: 10 ms doubling to
+    200 ms, until ``timeout`` seconds of them have passed (then the iterator ends)."""
+    delay, waited = 0.01, 0.0
+    while waited < timeout:
+        step = min(delay, timeout - waited)
+        yield step
+        waited += step
+        delay = min(delay * 2, 0.2)
 
 
 def handshake_commands(s: ConnectionSettings) -> list[list[Any]]:

@@ -17,6 +17,7 @@ the exception classes of :mod:`kvstrata.protocol.errors` (``LeaseError`` for ``-
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
@@ -24,7 +25,12 @@ from urllib.parse import unquote, urlparse
 
 from kvstrata.clients import commands as cmd
 from kvstrata.clients.commands import Call, HashLike
-from kvstrata.clients.connection import ConnectionPool, ConnectionSettings, SyncConnection
+from kvstrata.clients.connection import (
+    ConnectionPool,
+    ConnectionSettings,
+    SyncConnection,
+    loading_delays,
+)
 from kvstrata.clients.handles import RegionMapError, lease_tier
 from kvstrata.clients.leases import (
     Fence,
@@ -39,7 +45,7 @@ from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseId, RegionInfo
-from kvstrata.protocol.errors import LeaseError, LeaseLimitError, RespError
+from kvstrata.protocol.errors import LeaseError, LeaseLimitError, LoadingError, RespError
 
 __all__ = ["Client", "Lease", "Pipeline", "WriteBatch", "WriteLease", "settings_from_url"]
 
@@ -259,9 +265,18 @@ class Client:
     def _take(self, call: Call[T], via: SyncConnection | None = None) -> tuple[T, SyncConnection]:
         """The result of ``call`` run on ``via`` (default: any pooled connection), and the
         connection it ran on (a lease taken is that connection's)."""
-        with self.pool.connection(via) as conn:
-            reply = conn.pipeline([call.args], [call.out])[0]
-        return call.result(reply), conn
+        delays = None
+        while True:
+            with self.pool.connection(via) as conn:
+                reply = conn.pipeline([call.args], [call.out])[0]
+            if type(reply) is not LoadingError:
+                return call.result(reply), conn
+            # the server is still building its tiers: nothing was done, send it again
+            delays = delays or loading_delays(self.settings.loading_timeout)
+            delay = next(delays, None)
+            if delay is None:
+                raise reply  # still loading after loading_timeout seconds
+            time.sleep(delay)
 
     def execute(self, *args: Any, out: Any = None) -> Any:
         """Any command; the reply as parsed (see :mod:`kvstrata.clients.resp`)."""
