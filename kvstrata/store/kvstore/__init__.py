@@ -43,8 +43,9 @@ from kvstrata.store.kvstore.prefetch import PrefetchPath
 from kvstrata.store.kvstore.read import Payload, ReadPath
 from kvstrata.store.kvstore.rebuild import empty_report, rebuild_index
 from kvstrata.store.kvstore.remote import RemotePath
+from kvstrata.store.kvstore.sink import StoreSink
 from kvstrata.store.kvstore.state import NOT_NOW, NotNow, StoreState, is_internal
-from kvstrata.store.kvstore.write import StoreSink, WritePath
+from kvstrata.store.kvstore.write import WritePath
 from kvstrata.store.leases import NO_HOLDER, Holder, Lease, ReadLease, WriteLease, run_sweeper
 from kvstrata.store.placement import Placement
 from kvstrata.store.write_limits import admit_reserve, write_lease_ttl

@@ -42,7 +42,7 @@ from kvstrata.tiers.nvme import NvmeTier
 class GpuSink:
     """A reserved, invisible GPU slot owned by one writer (a ``KV.RESERVE … TIER gpu`` lease).
 
-    Same life cycle as :class:`~kvstrata.store.kvstore.write.StoreSink`: ``host_bytes()`` (at
+    Same life cycle as :class:`~kvstrata.store.kvstore.sink.StoreSink`: ``host_bytes()`` (at
     commit) copies the slot to the host, ``place()`` commits the copies, ``abort()`` frees
     whatever is still reserved and ends the writer's ownership of the key (a no-op once
     committed).
