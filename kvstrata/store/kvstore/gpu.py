@@ -25,7 +25,8 @@ from __future__ import annotations
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.kvstore.state import StoreState
-from kvstrata.store.placement import Placement, check_bytes
+from kvstrata.store.mover import check_bytes
+from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import (
     ChunkMissing,
     Handle,

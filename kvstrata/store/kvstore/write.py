@@ -13,7 +13,7 @@ concurrent writers stores the chunk and the others wait for it and answer 0.
 ``KV.COMMIT … DIGEST d…`` carries the writer's own checksum of each slot (computed while it
 copied the bytes in, ``clients.copysum``): a DRAM slot's claim is adopted without hashing the
 slot again, and the record says it is unverified until the first copy out of DRAM checks it
-(:func:`~kvstrata.store.placement.check_bytes`; a wrong claim then drops the chunk like a
+(:func:`~kvstrata.store.mover.check_bytes`; a wrong claim then drops the chunk like a
 corrupt copy). Where the commit copies the bytes anyway (a GPU slot, a write-through tier) the
 claim is checked at once and a wrong one refuses the chunk.
 """
@@ -32,7 +32,8 @@ from kvstrata.store.kvstore.sink import PayloadSlots, StoreSink
 from kvstrata.store.kvstore.state import NOT_NOW, NotNow, StoreState, is_internal, is_shared
 from kvstrata.store.kvstore.write_leases import WriteLeases
 from kvstrata.store.leases import NO_HOLDER, Holder, WriteLease, deadline_after
-from kvstrata.store.placement import Placement, check_bytes
+from kvstrata.store.mover import check_bytes
+from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import Buffer, Handle, TierError, TierFull
 from kvstrata.tiers.checksum import checksum
 
