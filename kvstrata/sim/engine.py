@@ -18,21 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstrata.chunks import ChunkKey
+from kvstrata.sim.vprefetch import SimPrefetch
 from kvstrata.sim.vtiers import ORDER, TierSpec, VTier
 from kvstrata.store.index import ChunkIndex, ChunkRecord
 from kvstrata.store.lru import LruHeap
-from kvstrata.store.policy import (
-    above_high,
-    chain_to,
-    leaving_counter,
-    pick_victims,
-    prefetch_budget,
-    prefetch_todo,
-    write_back_needed,
-)
 from kvstrata.store.sessions import SessionTable
 
-MAX_CHAIN = 65_536
 #: chunks a lease promotes at once (``kvstore.read._AHEAD``)
 LEASE_AHEAD = 8
 _NO_SUM = b"\0" * 8  # records carry no checksum: there are no bytes
@@ -54,8 +45,10 @@ class MatchResult:
     found: list[tuple[str, int, int]] = field(default_factory=list)  # (tier, size, tokens)
 
 
-class Simulator:
-    """See the module docstring. ``specs`` in any order; they are stacked gpu, dram, nvme, s3."""
+class Simulator(SimPrefetch):
+    """See the module docstring. ``specs`` in any order; they are stacked gpu, dram, nvme, s3.
+    Placement over the tiers is :class:`SimPlacement`'s (``sim.vplacement``), prefetch
+    :class:`SimPrefetch`'s (``sim.vprefetch``)."""
 
     def __init__(self, specs: Sequence[TierSpec], prefetch_concurrency: int = 4) -> None:
         self.tiers = [VTier(s) for s in sorted(specs, key=lambda s: ORDER.index(s.name))]
@@ -87,13 +80,7 @@ class Simulator:
         self.ops = 0
         self.oom = 0
 
-    # -- index hook, clock -----------------------------------------------------------------------
-
-    def _changed(self, rec: ChunkRecord, tier: str) -> None:
-        heap = self.heaps.get(tier)
-        if heap is not None:
-            heap.arm(rec)
-            heap.compact(self.index.count_in.get(tier, 0))
+    # -- clock -------------------------------------------------------------------------------------
 
     def tick(self, t: float) -> None:
         """Advance to trace time ``t``; every command gets its own LRU stamp (order is what the
@@ -101,175 +88,6 @@ class Simulator:
         self.now = max(self.now, t)
         self.stamp += 1.0
         self.ops += 1
-
-    def _link(self, src: str, dst: str, nbytes: int) -> None:
-        name = f"{src}->{dst}"
-        self.links[name] = self.links.get(name, 0) + nbytes
-
-    # -- residency -------------------------------------------------------------------------------
-
-    def _add(self, rec: ChunkRecord, tier: VTier) -> bool:
-        if not tier.take(rec.key, rec.size):
-            return False
-        tier.counters.bytes_in += rec.size
-        self.index.add_tier(rec, tier.name)
-        return True
-
-    def _drop(self, rec: ChunkRecord, tier: VTier) -> None:
-        tier.give(rec.key, rec.size)
-        self.index.drop_tier(rec, tier.name)
-
-    def _fits(self, i: int, size: int) -> bool:
-        """``Placement.put_with_room``: move chunks out of tier ``i`` until ``size`` fits;
-        False if stuck. As the server: rounds of victims for what the payload lacks
-        (``make_room``), then, while the tier cannot take the chunk's footprint (an NVMe slot
-        or file is larger than its payload: the server's TierFull), one round of ``size``
-        more each time."""
-        tier = self.tiers[i]
-        need = tier.spec.footprint(size)
-        if tier.free() >= need:
-            return True  # (an unbounded tier always)
-        if need > tier.capacity:
-            return False
-        while tier.free() < size:
-            if not self._evict_round(i, size - tier.free()):
-                break
-        while tier.free() < need:
-            if not self._evict_round(i, size):
-                return False
-        return True
-
-    def _evict_round(self, i: int, need: int) -> bool:
-        """Victims adding up to ``need`` bytes leave tier ``i``; False when none could."""
-        victims = pick_victims(self.heaps[self.tiers[i].name], max(1, need))
-        return bool(victims) and any([self.move_down(r, i) for r in victims])
-
-    def put_with_room(self, j: int, rec: ChunkRecord) -> bool:
-        return self._fits(j, rec.size) and self._add(rec, self.tiers[j])
-
-    def enforce(self) -> None:
-        """The demoter after a command: every tier above its high watermark goes down to its
-        low one. With ``demoter == "recorded"`` it waits for the trace's ``demote`` marks
-        (:meth:`demote`) instead: the server's demoter lags the writes under load."""
-        if self.demoter == "recorded":
-            return
-        for i, tier in enumerate(self.tiers):
-            pol = tier.spec.policy
-            if not above_high(pol, tier.capacity, tier.used):
-                continue
-            while self._demote_round(i):
-                pass
-
-    def demote(self, name: str | None) -> None:
-        """A recorded ``demote`` mark: a round of the server's demoter over tier ``name``
-        starts (``Placement.evict_to``): victims adding up to what is above the low watermark
-        now, as this simulator's tiers stand (the mark says when, not what). They are written
-        below at once and stay in the tier, moving, until the round's ``demoted`` mark."""
-        self.demoted()
-        tier = self.by_name.get(name or "")
-        if tier is None or tier.spec.shared:
-            return
-        i = self.tiers.index(tier)
-        target = (tier.spec.policy.low or 0.0) * tier.capacity
-        if tier.capacity <= 0 or tier.used <= target:
-            return
-        moving = []
-        for rec in pick_victims(self.heaps[tier.name], max(1, int(tier.used - target))):
-            if tier.name in rec.tiers and self._keep_below(rec, i):
-                rec.moving = True
-                moving.append(rec)
-            elif rec.alive and tier.name in rec.tiers:
-                self._changed(rec, tier.name)
-        self._round = (i, moving)
-
-    def demoted(self) -> None:
-        """The demoter's round ends (its ``demoted`` mark, or the next round's start): the
-        victims' copies leave, unless leased, read or given a child in the tier meanwhile."""
-        if self._round is None:
-            return
-        i, moving = self._round
-        self._round = None
-        name = self.tiers[i].name
-        for rec in moving:
-            rec.moving = False
-            if rec.alive and name in rec.tiers:
-                if rec.leases or rec.pins or not rec.is_leaf_in(name):
-                    self._changed(rec, name)
-                else:
-                    self._leave(rec, i)
-
-    def _demote_round(self, i: int) -> bool:
-        """One round toward the low watermark; False when at it, or when nothing can leave."""
-        tier = self.tiers[i]
-        target = (tier.spec.policy.low or 0.0) * tier.capacity
-        if tier.capacity <= 0 or tier.used <= target:
-            return False
-        victims = pick_victims(self.heaps[tier.name], max(1, int(tier.used - target)))
-        return bool(victims) and any([self.move_down(r, i) for r in victims])
-
-    def move_down(self, rec: ChunkRecord, i: int) -> bool:
-        """Placement.move_down: write back below tier ``i`` when needed, drop the copy."""
-        src = self.tiers[i]
-        if src.name not in rec.tiers or not self._keep_below(rec, i):
-            if rec.alive and src.name in rec.tiers:
-                self._changed(rec, src.name)
-            return False
-        self._leave(rec, i)
-        return True
-
-    def _leave(self, rec: ChunkRecord, i: int) -> None:
-        src = self.tiers[i]
-        self._drop(rec, src)
-        if leaving_counter(rec) == "demotions":
-            src.counters.demotions += 1
-        else:
-            src.counters.evictions += 1
-            self.index.remove(rec)
-
-    def _keep_below(self, rec: ChunkRecord, i: int) -> bool:
-        src = self.tiers[i]
-        dram = self.dram
-        if (
-            src is self.gpu
-            and dram is not None
-            and dram.name not in rec.tiers
-            and self.copy_into(rec, dram, make_room=True)
-        ):
-            return True
-        lower = self.tiers[i + 1 :]
-        shared = [t.name for t in lower if t.spec.shared]
-        if not write_back_needed(rec, [t.name for t in lower], shared):
-            return True
-        for j in range(i + 1, len(self.tiers)):
-            dst = self.tiers[j]
-            if dst.name not in rec.tiers and self.put_with_room(j, rec):
-                self._link(src.name, dst.name, rec.size)
-                return True
-        local = [t for t in lower if not t.spec.shared]
-        return any(t.name in rec.tiers for t in lower) or not local
-
-    def copy_into(self, rec: ChunkRecord, dst: VTier, make_room: bool) -> bool:
-        """Promote ``rec`` into ``dst`` from the fastest other tier holding it."""
-        j = self.tiers.index(dst)
-        src = next((t for t in self.tiers if t.name in rec.tiers and t is not dst), None)
-        if src is None:
-            return False
-        if dst.free() < dst.spec.footprint(rec.size):
-            if not make_room:
-                return False
-            rec.moving = True  # like the server's move: its copies stay while room is made
-            try:
-                room = self._fits(j, rec.size)
-            finally:
-                rec.moving = False
-            if not room:
-                return False
-        if not rec.alive or dst.name in rec.tiers or not self._add(rec, dst):
-            return False
-        src.counters.bytes_out += rec.size
-        dst.counters.promotions += 1
-        self._link(src.name, dst.name, rec.size)
-        return True
 
     # -- commands ----------------------------------------------------------------------------------
 
@@ -448,75 +266,5 @@ class Simulator:
         if rec is not None:
             self.delete(rec)
 
-    def _ensure(self, rec: ChunkRecord, target: VTier) -> VTier | None:
-        if target.name in rec.tiers or self.copy_into(rec, target, make_room=True):
-            return target
-        return None
-
     def session(self, ns: str, sid: bytes, tail: bytes, ttl_ms: int = 3_600_000) -> None:
         self.sessions.record(ns, sid, tail, ttl_ms)
-
-    def prefetch_session(self, ns: str, sid: bytes, to: str | None = None) -> int:
-        entry = self.sessions.get(ns, sid)
-        if entry is None:
-            return 0
-        chain = chain_to(entry.tail, lambda h: self.index.get(ChunkKey(ns, h)), MAX_CHAIN)
-        return self.prefetch_chain(ns, chain, to)
-
-    def prefetch_chain(
-        self, ns: str, hashes: Sequence[bytes], to: str | None = None, deadline_ms: int = 0
-    ) -> int:
-        """KV.PREFETCH as the server's scheduler runs it: the chunks it would queue
-        (``prefetch_todo``), moved root first by :attr:`prefetch_concurrency` workers. Room is
-        made for a group of that many at once (the writers' room maker serves its waiters
-        together), each chunk is touched when it lands; each worker is a channel at the source
-        link's latency and bandwidth, which gives every chunk its ready time (``timely`` /
-        ``late`` when used); with a deadline, chunks that could not start before it are
-        abandoned and the request counts ``expired``. The moves are done at once (their
-        placement effects); only their timing is modelled."""
-        target = self.by_name.get(to or "dram")
-        if target is None or target.spec.shared:
-            return 0
-        budget = prefetch_budget(target.spec.policy, target.capacity)
-        todo = prefetch_todo(hashes, lambda h: self.index.get(ChunkKey(ns, h)), target.name, budget)
-        self.prefetch["requests"] += 1
-        end = self.now + deadline_ms / 1000 if deadline_ms > 0 else None
-        records = [r for r in map(lambda h: self.index.get(ChunkKey(ns, h)), todo) if r]
-        moved = 0
-        width = max(1, self.prefetch_concurrency)
-        for start in range(0, len(records), width):
-            group = records[start : start + width]
-            if end is not None and min(self._channels) > end:
-                self.prefetch["expired"] += 1  # the turn loads the rest itself
-                break
-            self._room_for_group(group, target)
-            for rec in group:
-                src = next((t for t in self.tiers if t.name in rec.tiers), None)
-                if src is None or not self._ensure(rec, target):
-                    continue
-                moved += 1
-                self.stamp += 1e-6  # landed one after the other: distinct LRU stamps
-                rec.last_access = self.stamp
-                i = self._channels.index(min(self._channels))
-                begin = max(self.now, self._channels[i])
-                self._channels[i] = begin + src.spec.latency + rec.size / src.spec.bandwidth
-                self._ready[rec.key] = self._channels[i]
-                self.prefetch["chunks"] += 1
-                self.prefetch["bytes"] += rec.size
-        self.enforce()
-        return moved
-
-    def _room_for_group(self, group: Sequence[ChunkRecord], target: VTier) -> None:
-        """One round of victims for chunks that wait for room in ``target`` together."""
-        below = [r for r in group if target.name not in r.tiers]
-        need = sum(target.spec.footprint(r.size) for r in below) - target.free()
-        if len(below) > 1 and need > 0:
-            j = self.tiers.index(target)
-            for victim in pick_victims(self.heaps[target.name], need):
-                self.move_down(victim, j)
-
-    def _arrived(self, rec: ChunkRecord) -> None:
-        """A prefetched chunk is used: was it there in time?"""
-        ready = self._ready.pop(rec.key, None) if self._ready else None
-        if ready is not None:
-            self.prefetch["timely" if ready <= self.now else "late"] += 1
