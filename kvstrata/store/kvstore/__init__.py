@@ -24,7 +24,7 @@ from typing import Any
 from kvstrata.chunks import ChunkKey
 from kvstrata.config import Config
 from kvstrata.store.events import EventSink, TierEvents
-from kvstrata.store.index import ChunkRecord
+from kvstrata.store.index import ChunkIndex, ChunkRecord
 from kvstrata.store.keyspace import Keyspace
 from kvstrata.store.kvstore import query
 from kvstrata.store.kvstore.batch import (
@@ -46,7 +46,15 @@ from kvstrata.store.kvstore.remote import RemotePath
 from kvstrata.store.kvstore.sink import StoreSink
 from kvstrata.store.kvstore.state import NOT_NOW, NotNow, StoreState, is_internal
 from kvstrata.store.kvstore.write import WritePath
-from kvstrata.store.leases import NO_HOLDER, Holder, Lease, ReadLease, WriteLease, run_sweeper
+from kvstrata.store.leases import (
+    NO_HOLDER,
+    Holder,
+    Lease,
+    LeaseTable,
+    ReadLease,
+    WriteLease,
+    run_sweeper,
+)
 from kvstrata.store.placement import Placement
 from kvstrata.store.write_limits import admit_reserve, write_lease_ttl
 from kvstrata.tiers.arena import ArenaTier
@@ -97,11 +105,11 @@ class KVStore:
         return self.state.tiers
 
     @property
-    def index(self) -> Any:
+    def index(self) -> ChunkIndex:
         return self.state.index
 
     @property
-    def leases(self) -> Any:
+    def leases(self) -> LeaseTable:
         return self.state.leases
 
     @classmethod

@@ -20,7 +20,6 @@ claim is checked at once and a wrong one refuses the chunk.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
@@ -36,8 +35,6 @@ from kvstrata.store.mover import check_bytes
 from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import Buffer, Handle, TierError, TierFull
 from kvstrata.tiers.checksum import checksum
-
-log = logging.getLogger("kvstrata.store")
 
 
 def byte_view(data: Buffer) -> memoryview:
