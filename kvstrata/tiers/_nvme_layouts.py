@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
+from kvstrata.tiers._nvme_coalesce import SlotBatcher
 from kvstrata.tiers._nvme_config import NvmeConfig
 from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt
 from kvstrata.tiers._nvme_jobs import NvmeJobs
@@ -31,6 +32,7 @@ class NvmeLayouts(NvmeJobs):
     config: NvmeConfig
     _files: ChunkFiles
     _slabs: Slabs
+    _slot_writes: SlotBatcher
     _group: GroupSync | None
     _index: dict[ChunkKey, ChunkMeta]
     _where: dict[ChunkKey, SlotRef]
@@ -50,10 +52,11 @@ class NvmeLayouts(NvmeJobs):
             if fd >= 0:
                 await self._group_sync(meta.key, fd)
             return stored, None
-        always = self.config.fsync == "always"
-        stored, ref = await self._run(
-            self._slabs.write, meta, payload, always, undo=lambda done: self._slabs.discard(done[1])
-        )
+        self._check_open()
+        try:
+            stored, ref = await self._slot_writes.write(meta, payload)
+        except OSError as exc:
+            raise self._io_error("write", exc) from exc
         if self._group is not None:
             try:
                 await self._slot_sync(ref)

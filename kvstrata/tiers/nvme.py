@@ -38,6 +38,7 @@ from typing import Any
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_slab_scan
+from kvstrata.tiers._nvme_coalesce import SlotBatcher
 from kvstrata.tiers._nvme_config import NvmeConfig, prepare_folder
 from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt
 from kvstrata.tiers._nvme_format import WriteClock, file_bytes
@@ -89,6 +90,8 @@ class NvmeTier(NvmeLayouts, Tier):
             self.root, self.backend, config.slab_max, config.slab_bytes, config.fsync, clock
         )
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstrata-nvme")
+        always = config.fsync == "always"  # slot writes queued together share jobs and writes
+        self._slot_writes = SlotBatcher(self._slabs, self._pool, config.io_threads, always)
         self._group = None
         if config.fsync == "batch":
             direct = isinstance(self.backend, PosixBackend) and self.backend.direct
