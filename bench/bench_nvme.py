@@ -2,7 +2,7 @@
 
     python bench/bench_nvme.py --dir /tmp/x [--sizes 256KiB,1MiB,8MiB,32MiB] [--total-mib 512]
                                [--threads 4]
-                               [--in-flight N] [--fsync always,batch,never] [--repeat 3]
+                               [--in-flight N[,N…]] [--fsync always,batch,never] [--repeat 3]
                                [--scan-counts 10000,100000]
 
 For each chunk size and ``nvme-fsync`` policy: the tier writes ``--total-mib`` of chunks (up to
@@ -10,11 +10,15 @@ For each chunk size and ``nvme-fsync`` policy: the tier writes ``--total-mib`` o
 larger ones each a file: temp file, O_DIRECT writes, rename; then the policy's syncs; the layout
 column says which) on ``--threads`` io threads
 with ``--in-flight`` puts awaited at once (default: as many as threads; more let ``batch``
-group its syncs while the disk still sees ``--threads`` writes), then reads them all back
+group its syncs while the disk still sees ``--threads`` writes, and the puts that reach the tier
+together share pool jobs and ``pwritev`` calls, as an eviction round's victims do: the store
+demotes all of a round's victims at once; a list gives one table each), then reads them all back
 (checksum verified). fio runs in the same folder with the same block size and job count,
 ``--direct=1 --ioengine=psync``, plain (read and write) and with ``--fsync=1`` (an fsync after
 every block). The runs alternate (tier under every policy, then
 fio) ``--repeat`` times and the table gives medians: the disk of a shared VM swings by ±50 %.
+Under each table, the tier's CPU per put and per get (the whole process: event loop and I/O
+threads), which those swings move least.
 The rebuild part lays out N small chunks of 1 KiB, as chunk files (the format of versions before
 slabs, and of chunks over ``nvme-slab-max``) and as slab slots, and times ``scan()`` of a fresh
 tier ``--repeat`` times (page cache dropped first when allowed).
@@ -29,6 +33,7 @@ import json
 import math
 import mmap
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -53,8 +58,10 @@ def aligned(nbytes: int) -> memoryview:
 
 async def tier_rw(
     folder: Path, size: int, count: int, threads: int, policy: str, in_flight: int = 0
-) -> tuple[float, float, str]:
-    """(write GB/s, read GB/s, io mode) of the tier for ``count`` chunks of ``size`` bytes."""
+) -> tuple[float, float, str, float, float]:
+    """(write GB/s, read GB/s, io mode, CPU µs per put, per get) of the tier for ``count``
+    chunks of ``size`` bytes; CPU is the whole process's (event loop and I/O threads, user and
+    system), the figure a loaded machine's swings move least."""
     config = NvmeConfig(str(folder), capacity=1 << 50, io_threads=threads, fsync=policy)
     tier = NvmeTier(config)
     src = aligned(size)
@@ -69,9 +76,10 @@ async def tier_rw(
         async with sem:
             await tier.put(meta, src)
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), process_cpu()
     await asyncio.gather(*(put(m) for m in metas))
     write = size * count / (time.perf_counter() - started) / 1e9
+    cpu_put = (process_cpu() - cpu) / count * 1e6
     outs = [aligned(size) for _ in range(in_flight or threads)]
     free = list(range(in_flight or threads))
 
@@ -83,13 +91,19 @@ async def tier_rw(
             finally:
                 free.append(slot)
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), process_cpu()
     await asyncio.gather(*(get(m) for m in metas))
     read = size * count / (time.perf_counter() - started) / 1e9
+    cpu_get = (process_cpu() - cpu) / count * 1e6
     info = tier.info()
     mode = f"{info['io']}, {'slabs' if info.get('slab_chunks') else 'files'}"
     await tier.close()
-    return write, read, mode
+    return write, read, mode, cpu_put, cpu_get
+
+
+def process_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def fio(folder: Path, rw: str, size: int, total: int, jobs: int, fsync: bool) -> float:
@@ -153,11 +167,10 @@ async def timed_scan(folder: Path, threads: int) -> tuple[float, int]:
     return seconds, found
 
 
-def rw_table(a: argparse.Namespace, policies: list[str]) -> None:
+def rw_table(a: argparse.Namespace, policies: list[str], flight: int) -> None:
     """Median GB/s per size of the tier under each policy and of fio, runs alternated."""
     head = f"{'op':<6}{'chunk':>7}{'fio':>7}{'fio+fsync':>10}"
     head += "".join(f"{p:>9}{'ratio':>6}" for p in policies)
-    flight = a.in_flight or a.threads
     print(f"GB/s, median of {a.repeat} alternated runs; ratio = tier / plain fio; {a.threads} io "
           f"threads = fio jobs, {flight} tier ops in flight\n{head}")  # fmt: skip
     for size in (parse_size(s) for s in a.sizes.split(",") if s):
@@ -167,10 +180,12 @@ def rw_table(a: argparse.Namespace, policies: list[str]) -> None:
         for _ in range(a.repeat):
             for policy in policies:
                 tier_dir = a.dir / f"tier-{mib}-{policy}"
-                args = (tier_dir, size, count, a.threads, policy, a.in_flight)
-                w, r, mode = asyncio.run(tier_rw(*args))
+                args = (tier_dir, size, count, a.threads, policy, flight)
+                w, r, mode, cpu_w, cpu_r = asyncio.run(tier_rw(*args))
                 runs.setdefault(f"write {policy}", []).append(w)
                 runs.setdefault(f"read {policy}", []).append(r)
+                runs.setdefault(f"write cpu {policy}", []).append(cpu_w)
+                runs.setdefault(f"read cpu {policy}", []).append(cpu_r)
                 shutil.rmtree(tier_dir)
             if a.skip_fio:
                 continue
@@ -188,6 +203,10 @@ def rw_table(a: argparse.Namespace, policies: list[str]) -> None:
                 got = med[f"{op} {policy}"]
                 row += f"{got:>9.2f}{got / plain:>6.2f}"
             print(f"{row}  {mode}")
+        cpu = "  ".join(
+            f"{p} {med[f'write cpu {p}']:.0f}/{med[f'read cpu {p}']:.0f}" for p in policies
+        )
+        print(f"{'':<13}tier CPU µs per put/get (process): {cpu}")
 
 
 def main() -> None:
@@ -197,7 +216,7 @@ def main() -> None:
     p.add_argument("--total-mib", type=int, default=512, help="bytes moved per size and test")
     p.add_argument("--threads", type=int, default=4, help="io threads = puts in flight = fio jobs")
     p.add_argument(
-        "--in-flight", type=int, default=0, help="puts/gets in flight (default: --threads)"
+        "--in-flight", default="", help="puts/gets in flight, a list (default: --threads)"
     )
     p.add_argument("--fsync", default=",".join(POLICIES), help="nvme-fsync policies to run")
     p.add_argument("--repeat", type=int, default=3, help="alternated runs per size (median)")
@@ -206,8 +225,9 @@ def main() -> None:
     a = p.parse_args()
     a.dir.mkdir(parents=True, exist_ok=True)
     policies = [x for x in a.fsync.split(",") if x]
-    if a.sizes:
-        rw_table(a, policies)
+    for flight in [int(n) for n in a.in_flight.split(",") if n] or [a.threads]:
+        if a.sizes:
+            rw_table(a, policies, flight)
     layouts = ["files"] + (["slabs"] if "slab_max" in NvmeConfig.__dataclass_fields__ else [])
     print(f"\n{'layout':<7}{'scan chunks':>12}{'seconds':>10}{'chunks/s':>11}  cache")
     for count, layout in itertools.product(

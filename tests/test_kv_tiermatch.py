@@ -86,6 +86,15 @@ def test_bad_queries_are_errors(make_server) -> None:
         r.execute_command("KV.TIERMATCH", NS, "TOKENS", b"abc")
     with pytest.raises(redis.ResponseError, match="syntax"):
         r.execute_command("KV.TIERMATCH", NS, "TOKENS", _ids(16), "CHUNK")
+    # KV.TIERMATCH TOKENS and KV.MATCHTOKENS read their options with one parser: the same
+    # words, the same replies
+    for cmd in (("KV.TIERMATCH", NS, "TOKENS"), ("KV.MATCHTOKENS", NS)):
+        with pytest.raises(redis.ResponseError, match="unknown option 'CHUNKS'"):
+            r.execute_command(*cmd, _ids(16), "chunks", 16)
+        with pytest.raises(redis.ResponseError, match="syntax"):
+            r.execute_command(*cmd, _ids(16), "EXTRA")
+        with pytest.raises(redis.ResponseError, match="invalid CHUNK: value is not an integer"):
+            r.execute_command(*cmd, _ids(16), "CHUNK", "x")
     empty = r.execute_command("KV.TIERMATCH", NS, "HASHES", b"h")
     assert empty[b"matched"] == 0 and empty[b"node"].endswith(b":%d" % r.connection_pool
                                                                 .connection_kwargs["port"])

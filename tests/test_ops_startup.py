@@ -196,3 +196,39 @@ def test_shutdown_while_indexing_stops_without_a_store(indexing: GatedServer) ->
     indexing.thread.join(30)
     assert not indexing.thread.is_alive() and not indexing.errors
     assert indexing.server.store is None
+
+
+def test_kvstrata_client_waits_out_loading(indexing: GatedServer) -> None:
+    """kvstrata's own client sends a command refused with -LOADING again until the server is
+    ready (nothing was done by the refusal), within ``loading_timeout``; 0 raises at once."""
+    from kvstrata.clients import AsyncClient, Client
+    from kvstrata.protocol.errors import LoadingError
+
+    assert indexing.touching.wait(30)
+    probe = redis.Redis(port=indexing.port, retry_on_error=[])
+    with Client(port=indexing.port, loading_timeout=0) as impatient, pytest.raises(LoadingError):
+        impatient.match("ns", [b"aa"])
+    done: list[Any] = []
+    client = Client(port=indexing.port)  # (connecting works while loading: HELLO answers)
+    writer = threading.Thread(target=lambda: done.append(client.put("ns", b"aa", None, b"y" * 64)))
+    writer.start()
+
+    async def aio_put() -> bool:
+        async with await AsyncClient.connect(port=indexing.port) as aio:
+            return await aio.put("ns", b"bb", None, b"z" * 64)
+
+    aio_writer = threading.Thread(target=lambda: done.append(asyncio.run(aio_put())))
+    aio_writer.start()
+
+    def refusals() -> int:
+        return int(probe.info("errorstats").get("errorstat_LOADING", {}).get("count", 0))
+
+    _wait_for(lambda: refusals() >= 5)  # the impatient one's, then both puts', sent again
+    assert writer.is_alive() and aio_writer.is_alive() and not done  # not given up, not answered
+    indexing.gate.set()
+    writer.join(30)
+    aio_writer.join(30)
+    assert done == [True, True], done
+    assert client.get("ns", b"aa") == b"y" * 64 and client.get("ns", b"bb") == b"z" * 64
+    client.close()
+    probe.close()

@@ -15,29 +15,25 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvstrata.clients import commands as cmd
+from kvstrata.clients.aio_leases import AsyncLease, AsyncWriteBatch, AsyncWriteLease
 from kvstrata.clients.aioconn import AsyncConnection, AsyncConnectionPool
 from kvstrata.clients.commands import Call, HashLike
-from kvstrata.clients.connection import LEASE_CONN_CLOSED, ConnectionSettings
-from kvstrata.clients.handles import RegionMapError, lease_tier
-from kvstrata.clients.leases import (
-    Fence,
-    LeaseBase,
-    WriteBatchBase,
-    WriteLeaseBase,
-    batch_slices,
-    put_states,
-    run_fence,
+from kvstrata.clients.connection import (
+    LEASE_CONN_CLOSED,
+    ConnectionSettings,
+    loading_delays,
+    settings_from_url,
 )
+from kvstrata.clients.handles import RegionMapError, lease_tier
+from kvstrata.clients.leases import batch_slices, put_states
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseId, RegionInfo
-from kvstrata.clients.sync import settings_from_url
-from kvstrata.protocol.errors import LeaseError, LeaseLimitError, RespError
+from kvstrata.protocol.errors import LeaseError, LeaseLimitError, LoadingError, RespError
 
 __all__ = [
     "AsyncClient",
@@ -61,143 +57,6 @@ def _command(
         return await self._run(build(*args, **kwargs))
 
     return cmd.method_like(build, method)
-
-
-async def _wait(fence: Fence | None, strict: bool = False) -> None:
-    """Wait off the event loop: the streams were captured on the caller's thread."""
-    if fence is not None:
-        await asyncio.to_thread(run_fence, fence, strict)
-
-
-class AsyncLease(LeaseBase):
-    """A read lease; ``async with`` releases it. ``conn``: the connection that took it."""
-
-    __slots__ = ("_client", "_conn")
-
-    def __init__(
-        self, client: AsyncClient, *args: Any, conn: AsyncConnection | None = None
-    ) -> None:
-        super().__init__(*args)
-        self._client = client
-        self._conn = conn
-
-    async def release(self) -> None:
-        if not self.done:
-            await _wait(self.fence())  # the engine's queued copies out of the slots come first
-            self.done = True
-            await self._client.release(self.lease_id, via=self._conn)
-
-    async def __aenter__(self) -> AsyncLease:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()
-
-
-class _CommitOnExit:
-    """``async with``: commit on success (unless done already), abort on an exception."""
-
-    __slots__ = ()
-    done: bool
-
-    if TYPE_CHECKING:
-
-        async def commit(self) -> None: ...
-        async def abort(self) -> None: ...
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if et is None:
-            if not self.done:
-                await self.commit()
-        else:
-            await self.abort()
-
-
-class AsyncWriteLease(_CommitOnExit, WriteLeaseBase):
-    """A reserved slot; ``async with`` commits on success and aborts on an exception.
-    ``conn``: the connection that took it."""
-
-    __slots__ = ("_client", "_conn")
-
-    def __init__(
-        self, client: AsyncClient, *args: Any, conn: AsyncConnection | None = None
-    ) -> None:
-        super().__init__(*args)
-        self._client = client
-        self._conn = conn
-
-    async def commit(self) -> None:
-        if self.done:
-            raise RuntimeError("this write lease is already committed or aborted")
-        try:  # the server checksums the slot: the engine's writes must be done
-            await _wait(self.fence(), strict=True)
-        except Exception:
-            await self.abort()  # never publish bytes not known to be complete
-            raise
-        self.done = True
-        await self._client.commit(self.lease_id, via=self._conn, digests=self.commit_digests())
-
-    async def abort(self) -> None:
-        if not self.done:
-            await _wait(self.fence())  # a queued write must not land in the slot's next tenant
-            self.done = True
-            await self._client.abort(self.lease_id, via=self._conn)
-
-
-class AsyncWriteBatch(_CommitOnExit, WriteBatchBase):
-    """Reserved slots of a chain; ``async with`` commits them all on success and aborts them
-    all on an exception. ``conn``: the connection that took the lease."""
-
-    __slots__ = ("_client", "_conn")
-
-    def __init__(
-        self, client: AsyncClient, *args: Any, conn: AsyncConnection | None = None
-    ) -> None:
-        super().__init__(*args)
-        self._client = client
-        self._conn = conn
-
-    async def publish(self, *indexes: int) -> None:
-        """Publish chunks now and wait for the reply (see
-        :meth:`kvstrata.clients.sync.WriteBatch.publish`: ``LeaseError`` when the lease
-        expired, then stop using the batch's views)."""
-        if self.done:
-            raise RuntimeError("this write batch is already committed or aborted")
-        self._check_unpublished(indexes)
-        await _wait(self.fence(), strict=True)
-        named, digests = self.commit_args(indexes)
-        self.published.append(indexes)
-        await self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
-
-    async def commit(self) -> None:
-        if self.done:
-            raise RuntimeError("this write batch is already committed or aborted")
-        try:  # the server checksums the slots: the engine's writes must be done
-            await _wait(self.fence(), strict=True)
-        except Exception:
-            await self.abort()  # never publish bytes not known to be complete
-            raise
-        self.done = True
-        if self.unpublished():
-            named, digests = self.commit_args(())
-            await self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
-
-    async def abort(self) -> None:
-        """Discard the chunks not published yet (see
-        :meth:`kvstrata.clients.sync.WriteBatch.abort`)."""
-        if not self.done:
-            await _wait(self.fence())  # a queued write must not land in a slot's next tenant
-            self.done = True
-            if self.unpublished():
-                try:
-                    await self._client.abort(self._lease(), via=self._conn)
-                except LeaseError:
-                    pass  # expired (its slots are freed now), or ended with its connection
 
 
 class AsyncPipeline(PipelineBase):
@@ -254,13 +113,23 @@ class AsyncClient:
         """The result of ``call`` run on ``via`` (default: a pooled connection; ``via`` may be
         in use by other tasks too: replies come back in order), and the connection it ran on
         (a lease taken is that connection's)."""
-        if via is not None:
-            if via.closed:
-                raise LeaseError(LEASE_CONN_CLOSED)
-            return call.result((await via.pipeline([call.args], [call.out]))[0]), via
-        async with self.pool.connection() as conn:
-            reply = (await conn.pipeline([call.args], [call.out]))[0]
-        return call.result(reply), conn
+        delays = None
+        while True:
+            if via is not None:
+                if via.closed:
+                    raise LeaseError(LEASE_CONN_CLOSED)
+                conn, reply = via, (await via.pipeline([call.args], [call.out]))[0]
+            else:
+                async with self.pool.connection() as conn:
+                    reply = (await conn.pipeline([call.args], [call.out]))[0]
+            if type(reply) is not LoadingError:
+                return call.result(reply), conn
+            # the server is still building its tiers: nothing was done, send it again
+            delays = delays or loading_delays(self.settings.loading_timeout)
+            delay = next(delays, None)
+            if delay is None:
+                raise reply  # still loading after loading_timeout seconds
+            await asyncio.sleep(delay)
 
     async def execute(self, *args: Any, out: Any = None) -> Any:
         return await self._run(cmd.raw(args, out))

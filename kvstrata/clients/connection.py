@@ -9,6 +9,9 @@ in one round trip, falling back to RESP2 (and ``AUTH``) when the server refuses 
 
 A failed or timed-out I/O leaves the reply stream in an unknown state, so the connection closes
 itself and raises :class:`ConnectionClosedError`; a pool drops closed connections.
+
+:class:`ConnectionSettings` (where and how to connect, and :func:`settings_from_url`, the same
+from a URL) are shared by the sync and async clients.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from kvstrata import __version__
 from kvstrata.clients.resp import BIG_BULK, OutSpec, ReplyReader, command_buffers
@@ -34,6 +38,7 @@ __all__ = [
     "SyncConnection",
     "handshake_commands",
     "handshake_result",
+    "settings_from_url",
 ]
 
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
@@ -64,6 +69,39 @@ class ConnectionSettings:
     #: TLS to the server's ``tls-port`` (sync and async clients); None: plain TCP
     tls: ssl.SSLContext | None = None
     tls_server_name: str | None = None  # for certificate checks; default: host
+    #: how long a command the server refuses with ``-LOADING`` (its tiers are being built, its
+    #: NVMe index rebuilt: nothing was done) is sent again, seconds; 0: raise LoadingError
+    loading_timeout: float = 60.0
+
+
+def loading_delays(timeout: float) -> Iterator[float]:
+    """Pauses between the tries of a command refused with ``-LOADING``: 10 ms doubling to
+    200 ms, until ``timeout`` seconds of them have passed (then the iterator ends)."""
+    delay, waited = 0.01, 0.0
+    while waited < timeout:
+        step = min(delay, timeout - waited)
+        yield step
+        waited += step
+        delay = min(delay * 2, 0.2)
+
+
+def settings_from_url(url: str, **overrides: Any) -> dict[str, Any]:
+    """``kvstrata://[user:password@]host[:port]`` (also ``redis://``, ``unix:///path``)."""
+    u = urlparse(url)
+    out: dict[str, Any] = {}
+    if u.scheme == "unix":
+        out["path"] = u.path
+    elif u.scheme in ("kvstrata", "redis"):
+        out["host"] = u.hostname or "127.0.0.1"
+        out["port"] = u.port or 7379
+    else:
+        raise ValueError(f"unsupported URL scheme {u.scheme!r}")
+    if u.password is not None:
+        out["password"] = unquote(u.password)
+        if u.username:
+            out["username"] = unquote(u.username)
+    out.update(overrides)
+    return out
 
 
 def handshake_commands(s: ConnectionSettings) -> list[list[Any]]:

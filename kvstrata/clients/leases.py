@@ -10,9 +10,9 @@ wrong one only ever drops the chunk. A slot filled any other way (a view, an arr
 partial write) is sent without a digest and hashed by the server, as before; taking a view of a
 slot after ``write`` forgets its digest (the view may change the bytes).
 
-The view methods live here, shared by the sync and async clients; ``sync.py`` and ``aio.py``
-add how a lease ends (``release``/``commit``/``abort``, blocking or awaited) and the context
-manager protocol. A view is valid only while its lease is held.
+The view methods live here, shared by the sync and async clients; ``sync_leases.py`` and
+``aio_leases.py`` add how a lease ends (``release``/``commit``/``abort``, blocking or awaited)
+and the context manager protocol. A view is valid only while its lease is held.
 
 A lease with handles in a ``cuda`` region has a :meth:`~LeaseBase.fence`: the wait for the
 GPU work this thread has queued so far (torch's and CuPy's current streams). The clients wait

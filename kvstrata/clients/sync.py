@@ -17,53 +17,32 @@ the exception classes of :mod:`kvstrata.protocol.errors` (``LeaseError`` for ``-
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
-from urllib.parse import unquote, urlparse
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvstrata.clients import commands as cmd
 from kvstrata.clients.commands import Call, HashLike
-from kvstrata.clients.connection import ConnectionPool, ConnectionSettings, SyncConnection
-from kvstrata.clients.handles import RegionMapError, lease_tier
-from kvstrata.clients.leases import (
-    Fence,
-    LeaseBase,
-    WriteBatchBase,
-    WriteLeaseBase,
-    batch_slices,
-    put_states,
-    run_fence,
+from kvstrata.clients.connection import (
+    ConnectionPool,
+    ConnectionSettings,
+    SyncConnection,
+    loading_delays,
+    settings_from_url,
 )
+from kvstrata.clients.handles import RegionMapError, lease_tier
+from kvstrata.clients.leases import batch_slices, put_states
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
 from kvstrata.clients.results import Handle, LeaseId, RegionInfo
-from kvstrata.protocol.errors import LeaseError, LeaseLimitError, RespError
+from kvstrata.clients.sync_leases import Lease, WriteBatch, WriteLease
+from kvstrata.protocol.errors import LeaseLimitError, LoadingError, RespError
 
 __all__ = ["Client", "Lease", "Pipeline", "WriteBatch", "WriteLease", "settings_from_url"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
-
-
-def settings_from_url(url: str, **overrides: Any) -> dict[str, Any]:
-    """``kvstrata://[user:password@]host[:port]`` (also ``redis://``, ``unix:///path``)."""
-    u = urlparse(url)
-    out: dict[str, Any] = {}
-    if u.scheme == "unix":
-        out["path"] = u.path
-    elif u.scheme in ("kvstrata", "redis"):
-        out["host"] = u.hostname or "127.0.0.1"
-        out["port"] = u.port or 7379
-    else:
-        raise ValueError(f"unsupported URL scheme {u.scheme!r}")
-    if u.password is not None:
-        out["password"] = unquote(u.password)
-        if u.username:
-            out["username"] = unquote(u.username)
-    out.update(overrides)
-    return out
 
 
 def _command(build: Callable[P, Call[T]]) -> Callable[Concatenate[Client, P], T]:
@@ -73,143 +52,6 @@ def _command(build: Callable[P, Call[T]]) -> Callable[Concatenate[Client, P], T]
         return self._run(build(*args, **kwargs))
 
     return cmd.method_like(build, method)
-
-
-def _wait(fence: Fence | None, strict: bool = False) -> None:
-    if fence is not None:
-        run_fence(fence, strict)
-
-
-class Lease(LeaseBase):
-    """A read lease (see :class:`~kvstrata.clients.leases.LeaseBase`); ``with`` releases it.
-    ``conn``: the connection that took it (its release goes there)."""
-
-    __slots__ = ("_client", "_conn")
-
-    def __init__(self, client: Client, *args: Any, conn: SyncConnection | None = None) -> None:
-        super().__init__(*args)
-        self._client = client
-        self._conn = conn
-
-    def release(self) -> None:
-        if not self.done:
-            _wait(self.fence())  # the engine's queued copies out of the slots come first
-            self.done = True
-            self._client.release(self.lease_id, via=self._conn)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-class _CommitOnExit:
-    """``with``: commit on success (unless done already), abort on an exception."""
-
-    __slots__ = ()
-    done: bool
-
-    if TYPE_CHECKING:
-
-        def commit(self) -> None: ...
-        def abort(self) -> None: ...
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if et is None:
-            if not self.done:
-                self.commit()
-        else:
-            self.abort()
-
-
-class WriteLease(_CommitOnExit, WriteLeaseBase):
-    """A reserved slot; ``with`` commits it on success and aborts it on an exception.
-    ``conn``: the connection that took it (its commit or abort goes there)."""
-
-    __slots__ = ("_client", "_conn")
-
-    def __init__(self, client: Client, *args: Any, conn: SyncConnection | None = None) -> None:
-        super().__init__(*args)
-        self._client = client
-        self._conn = conn
-
-    def commit(self) -> None:
-        if self.done:
-            raise RuntimeError("this write lease is already committed or aborted")
-        try:  # the server checksums the slot: the engine's writes must be done
-            _wait(self.fence(), strict=True)
-        except Exception:
-            self.abort()  # never publish bytes not known to be complete
-            raise
-        self.done = True
-        self._client.commit(self.lease_id, via=self._conn, digests=self.commit_digests())
-
-    def abort(self) -> None:
-        if not self.done:
-            _wait(self.fence())  # a queued write must not land in the slot's next tenant
-            self.done = True
-            self._client.abort(self.lease_id, via=self._conn)
-
-
-class WriteBatch(_CommitOnExit, WriteBatchBase):
-    """Reserved slots of a chain (see :class:`~kvstrata.clients.leases.WriteBatchBase`);
-    ``with`` commits them all on success and aborts them all on an exception. ``conn``: the
-    connection that took the lease (its publish, commit or abort goes there)."""
-
-    __slots__ = ("_client", "_conn")
-
-    def __init__(self, client: Client, *args: Any, conn: SyncConnection | None = None) -> None:
-        super().__init__(*args)
-        self._client = client
-        self._conn = conn
-
-    def publish(self, *indexes: int) -> None:
-        """Publish chunks now (``KV.COMMIT lease i…``) and wait for the reply; call it once
-        their slots are completely written. A refusal raises: ``LeaseError`` when the lease
-        expired (nothing of this call was published; stop using every view of the batch,
-        then abort it), or the error naming the chunk that could not be published. Either way
-        the chunks named count as published: the batch does not send them again."""
-        if self.done:
-            raise RuntimeError("this write batch is already committed or aborted")
-        self._check_unpublished(indexes)
-        _wait(self.fence(), strict=True)  # queued GPU writes into the slots come first
-        named, digests = self.commit_args(indexes)
-        self.published.append(indexes)
-        self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
-
-    def commit(self) -> None:
-        """Publish every chunk not published yet (one ``KV.COMMIT``); a failure raises and
-        aborts what is left."""
-        if self.done:
-            raise RuntimeError("this write batch is already committed or aborted")
-        try:  # the server checksums the slots: the engine's writes must be done
-            _wait(self.fence(), strict=True)
-        except Exception:
-            self.abort()  # never publish bytes not known to be complete
-            raise
-        self.done = True
-        if self.unpublished():
-            named, digests = self.commit_args(())
-            self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
-
-    def abort(self) -> None:
-        """Discard the chunks not published yet (those published stay stored). Of an expired
-        lease this ends what the server still holds for it (``-NOLEASE`` is not raised: the
-        slots are freed either way)."""
-        if not self.done:
-            _wait(self.fence())  # a queued write must not land in a slot's next tenant
-            self.done = True
-            if self.unpublished():
-                try:
-                    self._client.abort(self._lease(), via=self._conn)
-                except LeaseError:
-                    pass  # expired (its slots are freed now), or ended with its connection
 
 
 class Pipeline(PipelineBase):
@@ -259,9 +101,18 @@ class Client:
     def _take(self, call: Call[T], via: SyncConnection | None = None) -> tuple[T, SyncConnection]:
         """The result of ``call`` run on ``via`` (default: any pooled connection), and the
         connection it ran on (a lease taken is that connection's)."""
-        with self.pool.connection(via) as conn:
-            reply = conn.pipeline([call.args], [call.out])[0]
-        return call.result(reply), conn
+        delays = None
+        while True:
+            with self.pool.connection(via) as conn:
+                reply = conn.pipeline([call.args], [call.out])[0]
+            if type(reply) is not LoadingError:
+                return call.result(reply), conn
+            # the server is still building its tiers: nothing was done, send it again
+            delays = delays or loading_delays(self.settings.loading_timeout)
+            delay = next(delays, None)
+            if delay is None:
+                raise reply  # still loading after loading_timeout seconds
+            time.sleep(delay)
 
     def execute(self, *args: Any, out: Any = None) -> Any:
         """Any command; the reply as parsed (see :mod:`kvstrata.clients.resp`)."""

@@ -28,7 +28,7 @@ Quirks of vLLM 0.33 this module is written around:
   Otherwise the first pass over a request queues its keys and answers ``RETRY``;
   ``on_schedule_end`` sends the step's ``KV.MATCH`` es (one per request and KV group chain) in
   one pipelined round trip; later passes answer ``HIT``/``MISS`` from that result, cached until
-  ``on_request_finished``.
+  ``on_request_finished`` (:mod:`kvstrata.clients.vllm_requests`).
 - Each job id must be reported once by ``get_finished_jobs``, which must never raise; a failed
   promotion reports the keys that did land in ``successful_keys``; ``drain_jobs`` waits for all.
 - The tier is built inside the ``Scheduler`` constructor, before the engine seeds its block
@@ -48,44 +48,22 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from vllm.v1.kv_offload.base import (
-    Locality,
-    LookupResult,
-    Medium,
-    OffloadKey,
-    ReqContext,
-    RequestOffloadingContext,
-    ScheduleEndContext,
-)
+from vllm.v1.kv_offload.base import Locality, Medium, OffloadKey
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstrata.clients.sync import Client, settings_from_url
 from kvstrata.clients.vllm_io import ChunkMover, LoadMode, StoreItem, rows_of
 from kvstrata.clients.vllm_keys import shareable_hash_problem, vllm_namespace
-from kvstrata.clients.vllm_lookup import RecentHits, group_chains
+from kvstrata.clients.vllm_lookup import RecentHits
+from kvstrata.clients.vllm_requests import RequestLookups, RequestState
 from kvstrata.clients.vllm_spec import KvstrataOffloadingSpec, join_vllm_logging
 
 __all__ = ["KvstrataOffloadingSpec", "KvstrataTier"]
 
 logger = logging.getLogger("kvstrata.vllm")
-_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 _LOG_EVERY_S = 30.0
-
-
-@dataclass(slots=True)
-class _Request:
-    """Lookup state of one request: verdicts so far, keys queued for the next ``KV.MATCH``,
-    and the chain (group, end token) → key for the parents of stored chunks (keys answered
-    from the recent-hit cache join it only when a store needs parents: ``cached``)."""
-
-    verdicts: dict[bytes, bool] = field(default_factory=dict)
-    queued: dict[bytes, None] = field(default_factory=dict)
-    in_flight: bool = False
-    chain: dict[tuple[bytes, int], bytes] = field(default_factory=dict)
-    cached: list[bytes] = field(default_factory=list)
 
 
 def client_settings(url: str, password: str | None, tls: Any, timeout_s: float) -> dict[str, Any]:
@@ -136,7 +114,7 @@ def _resolved_seed() -> str:
     return str(get_none_hash_seed())
 
 
-class KvstrataTier(SecondaryTierManager):
+class KvstrataTier(RequestLookups, SecondaryTierManager):
     """A vLLM secondary tier stored in kvstrata; see the module docstring."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -187,7 +165,7 @@ class KvstrataTier(SecondaryTierManager):
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstrata_vllm_match")
         self._finished: deque[JobResult] = deque()
         self._jobs: dict[int, Future[None]] = {}
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._matches: deque[tuple[str, dict[bytes, bool]]] = deque()
         self._misses: deque[tuple[str, list[bytes]]] = deque()  # keys a load did not get
         self._matching: set[Future[None]] = set()
@@ -214,97 +192,11 @@ class KvstrataTier(SecondaryTierManager):
             self._last_log = now
             logger.warning("KvstrataTier: %s failed: %s: %s", what, type(exc).__name__, exc)
 
-    # -- per-request state and lookups ------------------------------------------------------
-
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        self._requests.setdefault(req_context.req_id, _Request())
-        return RequestOffloadingContext()
-
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        self._requests.pop(req_context.req_id, None)
-
-    def _remember(self, state: _Request, key: bytes, ctx: ReqContext) -> int | None:
-        end = ctx.get_offload_key_position(key)
-        if end is not None:
-            state.chain[(key[-4:], end)] = key
-        return end
-
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        # called for every key of every waiting request on the scheduler's path: kept lean
-        if self._refused != "" and not self._check_shareable():
-            return _MISS
-        if self._matches or self._misses:
-            self._apply_matches()
-        state = self._requests.get(req_context.req_id)
-        if state is None:
-            state = self._requests[req_context.req_id] = _Request()
-        verdict = state.verdicts.get(key)
-        if verdict is not None:
-            return _HIT if verdict else _MISS
-        if self._hit(key):  # stored or matched a moment ago: no round trip
-            state.verdicts[key] = True
-            state.cached.append(key)  # (a later store's parent may be this key)
-            return _HIT
-        self._remember(state, key, req_context)
-        state.queued[key] = None
-        return LookupResult.RETRY
-
-    def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self._apply_matches()
-        step: list[tuple[str, list[list[bytes]]]] = []
-        for req_id, state in self._requests.items():
-            if state.queued and not state.in_flight:
-                keys, state.queued = list(state.queued), {}
-                state.in_flight = True
-                step.append((req_id, group_chains(keys, state.chain)))
-        if step:  # the whole step's lookups in one round trip
-            future = self._lookups.submit(self._match, step)
-            self._matching.add(future)
-            future.add_done_callback(self._matching.discard)
-
-    def _match(self, step: list[tuple[str, list[list[bytes]]]]) -> None:
-        """One pipelined ``KV.MATCH`` per request and group chain: the leading ``n`` keys of a
-        chain hit (remembered), the rest miss (forgotten)."""
-        chains = [(req_id, chain) for req_id, group in step for chain in group]
-        verdicts: dict[str, dict[bytes, bool]] = {req_id: {} for req_id, _ in step}
-        try:
-            with self._mover.client().pipeline() as p:
-                for _, chain in chains:
-                    p.match(self.namespace, chain)
-                counts = p.execute()
-            for (req_id, chain), n in zip(chains, counts, strict=True):
-                verdicts[req_id].update((k, i < n) for i, k in enumerate(chain))
-                self._hits.add(chain[:n])
-                self._hits.forget(chain[n:])
-        except Exception as exc:  # server down, timeout: a miss, never an error in vLLM
-            self._log_failure("KV.MATCH", exc)
-            self._hits.clear()
-            for req_id, chain in chains:
-                got = verdicts[req_id]
-                got.update((k, False) for k in chain if k not in got)
-        self._matches.extend(verdicts.items())
-
-    def _apply_matches(self) -> None:
-        while self._matches:
-            req_id, verdicts = self._matches.popleft()
-            state = self._requests.get(req_id)
-            if state is not None:
-                state.verdicts.update(verdicts)
-                state.in_flight = False
-                for key in verdicts:  # asked again while in flight: answered now
-                    state.queued.pop(key, None)
-        while self._misses:
-            req_id, keys = self._misses.popleft()
-            self._hits.forget(keys)
-            state = self._requests.get(req_id)
-            if state is not None:
-                state.verdicts.update(dict.fromkeys(keys, False))
-
     # -- jobs -------------------------------------------------------------------------------
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         job = job_metadata
-        state = self._requests.setdefault(job.req_context.req_id, _Request())
+        state = self._requests.setdefault(job.req_context.req_id, RequestState())
         for key in state.cached:
             self._remember(state, key, job.req_context)
         state.cached.clear()
@@ -413,4 +305,3 @@ class KvstrataTier(SecondaryTierManager):
         for pool in (self._lookups, self._loads, self._stores):
             pool.shutdown(wait=True, cancel_futures=True)
         self._mover.close()
-

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from kvstrata.config import OPTIONS
 from kvstrata.sim.economics import Hardware, Model, load_seconds, recompute_seconds
-from kvstrata.sim.engine import LEASE_AHEAD, MatchResult, Simulator
+from kvstrata.sim.engine import MatchResult, Simulator
 from kvstrata.sim.ttft import PrefillFit
+from kvstrata.sim.vplacement import LEASE_AHEAD
 from kvstrata.sim.vtiers import TierSpec
 from kvstrata.sim.workload import Workload, drive, generate
 from kvstrata.store.policy import tier_policy

@@ -41,7 +41,7 @@ class ChunkRecord:
     checksum: bytes
     codec: str = "raw"
     #: False while ``checksum`` is a client's claim (``KV.COMMIT … DIGEST``) that no byte of the
-    #: chunk was checked against yet; set by the first check (``placement.check_bytes``), which
+    #: chunk was checked against yet; set by the first check (``mover.check_bytes``), which
     #: every copy out of DRAM passes first (docs/architecture.md, "Client digests")
     verified: bool = True
     tiers: set[str] = field(default_factory=set)

@@ -83,7 +83,7 @@ class WriteLease:
     tokens: int
     size: int
     handle: Handle
-    sink: Any  # kvstrata.store.kvstore.write.StoreSink (kept untyped to avoid an import cycle)
+    sink: Any  # kvstrata.store.kvstore.sink.StoreSink (kept untyped to avoid an import cycle)
     deadline: float
     holder: Holder = NO_HOLDER
 

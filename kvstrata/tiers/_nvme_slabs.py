@@ -161,20 +161,36 @@ class Slabs:
 
     def _allocate(self, slot_size: int) -> SlotRef:
         with self._lock:
-            free = self._free.get(slot_size)
-            if free:
-                number, slot = free.pop()
-            else:
-                slab = self._growing.get(slot_size)
-                if slab is None or slab.fresh == slab.max_slots:
-                    slab = self._new_slab(slot_size)
-                if slab.fresh == slab.grown:
-                    self._grow(slab)
-                number, slot = slab.number, slab.fresh
-                slab.fresh += 1
-            self._generation += 1
-            slab = self.slabs[number]
-            return SlotRef(number, slot, slab.offset(slot), slot_size, self._generation)
+            return self._take(slot_size)
+
+    def allocate_many(self, slot_size: int, n: int) -> tuple[list[SlotRef], OSError | None]:
+        """Up to ``n`` slots under one hold of the lock (fresh ones are then adjacent), and
+        the error that stopped it short (a slab file that could not grow), if any."""
+        refs: list[SlotRef] = []
+        with self._lock:
+            try:
+                while len(refs) < n:
+                    refs.append(self._take(slot_size))
+            except OSError as exc:
+                return refs, exc
+        return refs, None
+
+    def _take(self, slot_size: int) -> SlotRef:
+        """The next slot of ``slot_size`` (a free one first); the lock is held."""
+        free = self._free.get(slot_size)
+        if free:
+            number, slot = free.pop()
+        else:
+            slab = self._growing.get(slot_size)
+            if slab is None or slab.fresh == slab.max_slots:
+                slab = self._new_slab(slot_size)
+            if slab.fresh == slab.grown:
+                self._grow(slab)
+            number, slot = slab.number, slab.fresh
+            slab.fresh += 1
+        self._generation += 1
+        slab = self.slabs[number]
+        return SlotRef(number, slot, slab.offset(slot), slot_size, self._generation)
 
     def _new_slab(self, slot_size: int) -> Slab:
         max_slots = max(1, (self.slab_bytes - HEADER_SIZE) // slot_size)
@@ -235,13 +251,10 @@ class Slabs:
     def write(self, meta: ChunkMeta, payload: memoryview, sync: bool) -> tuple[ChunkMeta, SlotRef]:
         """Allocate a slot and write the chunk there (``sync``: and fdatasync the slab, for
         ``nvme-fsync always``); on failure the slot is invalidated and free again."""
-        csum = checksum(payload)
-        if meta.checksum and meta.checksum != csum:
-            raise IntegrityError(f"payload of {meta.key.hex} does not match its checksum")
-        stored = ChunkMeta(meta.key, meta.parent, meta.tokens, meta.size, csum, meta.codec)
+        stored = self.stored(meta, payload)
         ref = self._allocate(self.slot_size(meta.size))
         slab = self.slabs[ref.slab]
-        header = encode_header(stored, csum, self.clock.now(), ref.generation)
+        header = self.header(stored, ref)
         try:
             self.backend.write_at(slab.fd, slab.path, ref.offset, header, payload)
             if sync:
@@ -250,6 +263,17 @@ class Slabs:
             self.discard(ref)
             raise
         return stored, ref
+
+    def stored(self, meta: ChunkMeta, payload: memoryview) -> ChunkMeta:
+        """``meta`` with the payload's checksum; IntegrityError if it names another one."""
+        csum = checksum(payload)
+        if meta.checksum and meta.checksum != csum:
+            raise IntegrityError(f"payload of {meta.key.hex} does not match its checksum")
+        return ChunkMeta(meta.key, meta.parent, meta.tokens, meta.size, csum, meta.codec)
+
+    def header(self, stored: ChunkMeta, ref: SlotRef) -> bytes:
+        """The chunk header block of ``stored`` for the slot ``ref``."""
+        return encode_header(stored, stored.checksum, self.clock.now(), ref.generation)
 
     def read(self, key: ChunkKey, ref: SlotRef, out: memoryview, want: ChunkMeta) -> ChunkMeta:
         """Read and verify the chunk at ``ref`` into ``out``; :class:`SlotMismatch` if the slot

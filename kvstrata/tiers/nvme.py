@@ -28,24 +28,24 @@ the file it read, never one renamed over it since (a slot reused meanwhile is a 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_slab_scan
+from kvstrata.tiers._nvme_coalesce import SlotBatcher
 from kvstrata.tiers._nvme_config import NvmeConfig, prepare_folder
-from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt, unlink_quietly
+from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt
 from kvstrata.tiers._nvme_format import WriteClock, file_bytes
 from kvstrata.tiers._nvme_io import PosixBackend, choose_backend
+from kvstrata.tiers._nvme_layouts import NvmeLayouts
 from kvstrata.tiers._nvme_scan import QUARANTINE, RebuildReport
-from kvstrata.tiers._nvme_slabs import SLAB_DIR, Slabs, SlotMismatch, SlotRef
+from kvstrata.tiers._nvme_slabs import SLAB_DIR, Slabs, SlotRef
 from kvstrata.tiers._nvme_space import DiskFull, FsSpace, is_full_error
 from kvstrata.tiers._nvme_sync import SYNC_MARKER, GroupSync
 from kvstrata.tiers.base import (
@@ -63,7 +63,6 @@ __all__ = ["NvmeConfig", "NvmeTier"]
 log = logging.getLogger(__name__)
 SHARDS = [f"{i:02x}" for i in range(256)]
 SCAN_THREADS = 16
-SLOT_READ_TRIES = 3  # a read whose slot keeps being replaced under it gives up (a miss)
 
 
 def _byte_view(data: Buffer) -> memoryview:
@@ -71,8 +70,10 @@ def _byte_view(data: Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-class NvmeTier(Tier):
-    """Chunk files and slab files in one folder; see the module docstring."""
+class NvmeTier(NvmeLayouts, Tier):
+    """Chunk files and slab files in one folder; see the module docstring. The steps that
+    differ between the two layouts are :class:`NvmeLayouts`'s (``_nvme_layouts``), the jobs
+    on the thread pool :class:`NvmeJobs`'s (``_nvme_jobs``)."""
 
     name = "nvme"
     persistent = True
@@ -89,6 +90,8 @@ class NvmeTier(Tier):
             self.root, self.backend, config.slab_max, config.slab_bytes, config.fsync, clock
         )
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstrata-nvme")
+        always = config.fsync == "always"  # slot writes queued together share jobs and writes
+        self._slot_writes = SlotBatcher(self._slabs, self._pool, config.io_threads, always)
         self._group = None
         if config.fsync == "batch":
             direct = isinstance(self.backend, PosixBackend) and self.backend.direct
@@ -167,42 +170,6 @@ class NvmeTier(Tier):
         finally:
             self._release(meta.key)
 
-    async def _write(
-        self, meta: ChunkMeta, payload: memoryview
-    ) -> tuple[ChunkMeta, SlotRef | None]:
-        """Write a slot (small chunks) or a file, durable as ``nvme-fsync`` says."""
-        if not self._slabs.slot_size(meta.size):
-            stored, fd = await self._run(self._files.write, meta, payload)
-            if fd >= 0:
-                await self._group_sync(meta.key, fd)
-            return stored, None
-        always = self.config.fsync == "always"
-        stored, ref = await self._run(
-            self._slabs.write, meta, payload, always, undo=lambda done: self._slabs.discard(done[1])
-        )
-        if self._group is not None:
-            try:
-                await self._slot_sync(ref)
-            except TierIOError:
-                await self._run_quietly(self._slabs.discard, ref)
-                raise
-            except asyncio.CancelledError:  # the put did not happen: its slot must not stay
-                try:
-                    self._pool.submit(self._slabs.discard, ref)
-                except RuntimeError:  # the pool is shut down (closing): here, then
-                    self._slabs.discard(ref)
-                raise
-        return stored, ref
-
-    async def _drop_replaced(self, key: ChunkKey, old: SlotRef | None, new: SlotRef | None) -> None:
-        """After an overwrite: invalidate the old slot, or remove the old file when the new
-        copy is a slot (a new file was renamed over it already). A failure is counted; the
-        stale copy then loses to the newer one at the next start."""
-        if old is not None:
-            await self._run_quietly(self._slabs.invalidate, old)
-        elif new is not None:
-            await self._run_quietly(self._files.delete, key)
-
     async def get(self, key: ChunkKey, out: memoryview) -> ChunkMeta:
         meta = self._index.get(key)
         if meta is None:
@@ -234,27 +201,6 @@ class NvmeTier(Tier):
         self.stats.hits += 1
         self.stats.bytes_out += got.size
         return got
-
-    async def _read_slot(
-        self, key: ChunkKey, meta: ChunkMeta, ref: SlotRef, dst: memoryview
-    ) -> ChunkMeta:
-        """Read a slot; one that fails its checks while still the chunk's copy is invalidated
-        (free for reuse, never served). When an overwrite moved the chunk to another slot
-        meanwhile, that slot is read instead; a chunk deleted meanwhile is a plain miss."""
-        for _ in range(SLOT_READ_TRIES):
-            try:
-                return await self._run(self._slabs.read, key, ref, dst, meta)
-            except SlotMismatch as exc:
-                current = self._where.get(key)
-                if current is ref:
-                    self._forget(key, meta)  # before the await: no other reader frees it too
-                    self.stats.extra["slots_invalid"] += 1
-                    await self._run_quietly(self._slabs.invalidate, ref)
-                    raise Corrupt(str(exc), quarantined=False) from None
-                if current is None or self._index[key].size > dst.nbytes:
-                    break
-                ref, meta = current, self._index[key]
-        raise FileNotFoundError(key.hex)
 
     async def delete(self, key: ChunkKey) -> bool:
         await self._acquire(key)
@@ -322,20 +268,6 @@ class NvmeTier(Tier):
         )  # fmt: skip
         for meta in found:
             yield meta
-
-    async def _drop_late(self, keys: list[ChunkKey], refs: list[SlotRef]) -> None:
-        """Drop the stale copies the start-up rebuild found: slots of chunks written while it
-        ran, and chunk files that lost to a slot — only while the chunk's copy is a slot (a
-        put while the rebuild ran may have renamed a new file over the stale one)."""
-        for ref in refs:
-            await self._run_quietly(self._slabs.invalidate, ref)
-        for key in keys:
-            await self._acquire(key)
-            try:
-                if key in self._where:
-                    await self._run_quietly(self._files.delete, key)
-            finally:
-                self._release(key)
 
     def info(self) -> dict[str, Any]:
         report = self.rebuild_report
@@ -423,100 +355,6 @@ class NvmeTier(Tier):
         self._used -= self._cost(meta, self._where.pop(key, None))
         self.stats.chunks = len(self._index)
         return True
-
-    async def _run(
-        self, fn: Any, *args: Any, finish: bool = False, undo: Callable[[Any], None] | None = None
-    ) -> Any:
-        """Run ``fn`` on the pool; OSError becomes a counted, logged TierIOError.
-
-        When the caller is cancelled (a shutdown cancelling background work) a job already
-        running goes on; ``finish``: one still queued runs too (invalidations and deletes: the
-        disk must end up agreeing with the index, or a restart brings a deleted chunk back);
-        ``undo`` gets the result of a job that still succeeds (a slot written for a put that
-        did not happen, invalidated then)."""
-        self._check_open()  # close() shuts the pool down: a closed tier raises TierUnavailable
-        job = self._pool.submit(fn, *args)
-        waited = asyncio.wrap_future(job)
-        try:
-            return await (asyncio.shield(waited) if finish else waited)
-        except asyncio.CancelledError:
-            waited.add_done_callback(_retrieved)
-            if undo is not None:
-                job.add_done_callback(partial(_undo, undo))
-            raise
-        except (FileNotFoundError, Corrupt, IntegrityError):
-            raise
-        except OSError as exc:
-            raise self._io_error(getattr(fn, "__name__", str(fn)), exc) from exc
-
-    async def _group_sync(self, key: ChunkKey, fd: int) -> None:
-        """Wait until the group sync (``batch``) has made the write (``fd``: the new file) or
-        delete (``fd`` -1) of ``key`` durable; a file it failed on is removed, never served."""
-        assert self._group is not None
-        path = os.path.join(*self._files.path(key))
-        try:
-            synced = self._group.submit(fd)
-        except TierIOError:  # the tier closed while the write ran
-            if fd >= 0:
-                await self._unlink(path)
-            self.stats.errors += 1
-            raise
-        try:
-            await asyncio.wrap_future(synced)
-        except OSError as exc:
-            if fd >= 0:
-                await self._unlink(path)
-            raise self._io_error("group sync", exc) from exc
-
-    async def _slot_sync(self, ref: SlotRef) -> None:
-        """``batch``: wait for the group sync covering a slot write or invalidation."""
-        assert self._group is not None
-        try:
-            fd = self._slabs.dup(ref) if self._group.per_file else -1  # O_DIRECT: no fsync
-            await asyncio.wrap_future(self._group.submit(fd))
-        except OSError as exc:
-            raise self._io_error("group sync", exc) from exc
-
-    async def _run_quietly(self, fn: Any, *args: Any) -> None:
-        """Run clean-up work whose failure is counted and logged (``_run``) but not raised."""
-        try:
-            await self._run(fn, *args, finish=True)
-        except (TierIOError, TierUnavailable):
-            pass
-
-    async def _unlink(self, path: str) -> None:
-        """Remove ``path`` on the pool, or right here once the tier is closed (no pool)."""
-        if self._closed:
-            unlink_quietly(path)
-        else:
-            await asyncio.get_running_loop().run_in_executor(self._pool, unlink_quietly, path)
-
-    def _io_error(self, what: str, exc: OSError) -> TierIOError:
-        self.stats.errors += 1
-        kind = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio",
-                errno.EACCES: "eacces"}  # fmt: skip
-        name = kind.get(exc.errno or 0, "eio" if exc.errno is None else "")
-        if name:
-            self.stats.extra[name] += 1
-        self.last_error = f"{errno.errorcode.get(exc.errno or 0, 'EIO')}: {exc.strerror}"
-        log.warning("nvme: %s failed: %s", what, self.last_error)
-        return TierIOError(f"nvme: {self.last_error}")
-
-
-def _retrieved(waited: asyncio.Future[Any]) -> None:
-    """Consume the outcome of a job its caller stopped waiting for (no "never retrieved")."""
-    if not waited.cancelled():
-        waited.exception()
-
-
-def _undo(undo: Callable[[Any], None], job: Future[Any]) -> None:
-    """Run ``undo`` on the result of a job whose caller was cancelled, if it succeeded."""
-    if job.cancelled() or job.exception() is not None:
-        return
-    try:
-        undo(job.result())
-    except OSError as exc:
-        log.warning("nvme: undoing a cancelled write failed: %s", exc)
 
 
 # Registered by call rather than as a decorator so that type checkers keep the class type.

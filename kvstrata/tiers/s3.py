@@ -13,8 +13,9 @@ it) raises :class:`ObjectChanged` carrying its metadata. Failures
 ``timeout`` per attempt and ``retries``; a failure of the endpoint opens a short circuit breaker.
 
 Object names and metadata are in :mod:`kvstrata.tiers.s3_objects`; error translation, the negative
-cache and the breaker in :mod:`kvstrata.tiers.s3_failures`. ``docs/s3.md`` describes the layout,
-consistency and failures.
+cache and the breaker in :mod:`kvstrata.tiers.s3_failures`; the objects the tier knows of, its
+misses and its verdicts on rejected and corrupt objects in :mod:`kvstrata.tiers.s3_known`.
+``docs/s3.md`` describes the layout, consistency and failures.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from kvstrata.tiers.base import (
     IntegrityError,
     ObjectChanged,
     Tier,
-    TierError,
     TierIOError,
     TierUnavailable,
     register_tier,
@@ -41,6 +41,7 @@ from kvstrata.tiers.base import (
 from kvstrata.tiers.s3_auth import ObjectAuth
 from kvstrata.tiers.s3_config import S3Config, connect
 from kvstrata.tiers.s3_failures import Breaker, NegativeCache, translate_error
+from kvstrata.tiers.s3_known import KnownObjects
 from kvstrata.tiers.s3_objects import (  # these and NegativeCache: tests import them from here
     FORMAT_VERSION,
     AuthFailure,
@@ -73,10 +74,8 @@ _SHOWN = ("invalid_objects", "auth_failures", "kept_objects", "sessions_written"
 _UNUSABLE_BUCKET = frozenset({"404", "NoSuchBucket", "403", "AccessDenied", "Forbidden"})
 T = TypeVar("T")
 
-_LOG_EVERY = 5.0  # seconds between two warnings about rejected objects
 
-
-class S3Tier(Tier):
+class S3Tier(KnownObjects, Tier):
     """Chunks as S3 objects; see the module docstring. Capacity is unbounded (0)."""
 
     name = "s3"
@@ -356,51 +355,6 @@ class S3Tier(Tier):
             self._count_rejected(object_name(self.prefix, key), exc)  # the caller: a miss
             return None
         return head
-
-    async def _quarantine(self, key: ChunkKey, name: str, exc: CorruptObject) -> None:
-        """Delete an object whose bytes disagree with its own metadata: the version that was
-        read, not one written since (best effort; counted)."""
-        self.stats.integrity_errors += 1
-        log.warning("s3: chunk %s/%s is corrupt (%s); deleting it", key.namespace, key.hex,
-                    exc.args[0])  # fmt: skip
-        since = self._negative.seq()
-        etag = str(exc.args[1]) if len(exc.args) > 1 else ""
-        try:
-            if not await self._call("delete", self._req.delete_version, name, etag):
-                self.stats.extra["kept_objects"] += 1  # replaced meanwhile: not ours to drop
-        except TierError as err:
-            log.warning("s3: could not delete corrupt chunk %s: %s", key.hex, err)
-        self._forget(key)
-        self._negative.miss(key, since)
-
-    def _rejected(self, key: ChunkKey, since: int, exc: Exception) -> None:
-        """An object this node may not use (invalid or not authentic): a miss, left alone."""
-        self._count_rejected(object_name(self.prefix, key), exc)
-        self._missed(key, since)
-
-    def _count_rejected(self, name: str, exc: Exception) -> None:
-        auth = isinstance(exc, AuthFailure)
-        self.stats.extra["auth_failures" if auth else "invalid_objects"] += 1
-        now = time.monotonic()
-        if now - self._logged >= _LOG_EVERY:
-            self._logged = now
-            what = "fails authentication" if auth else "is not a valid kvstrata object"
-            log.warning("s3: object %s %s (%s); treated as a miss, left in the bucket",
-                        name, what, exc)  # fmt: skip
-
-    def _missed(self, key: ChunkKey, since: int) -> None:
-        self.stats.misses += 1
-        self._negative.miss(key, since)
-        self._forget(key)
-
-    def _remember(self, key: ChunkKey, size: int) -> None:
-        self._used += size - self._sizes.get(key, 0)
-        self._sizes[key] = size
-        self.stats.chunks = len(self._sizes)
-
-    def _forget(self, key: ChunkKey) -> None:
-        self._used -= self._sizes.pop(key, 0)
-        self.stats.chunks = len(self._sizes)
 
 
 # Registered by call rather than as a decorator so that type checkers keep the class type.

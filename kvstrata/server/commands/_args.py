@@ -24,6 +24,14 @@ REDACTED = b"(redacted)"
 _INT_RE = re.compile(rb"0|-?[1-9][0-9]{0,18}")
 
 
+def int_option(arg: Any, what: str, lo: int, hi: int) -> int:
+    """An integer option's value, ``lo`` to ``hi``; the error names the option."""
+    value = parse_int(arg, CommandError(f"invalid {what}: value is not an integer"))
+    if not lo <= value <= hi:
+        raise CommandError(f"invalid {what}: must be {lo} to {hi}, got {value}")
+    return value
+
+
 def arg_bytes(arg: Any) -> bytes:
     """An argument as immutable bytes (keys, names, small values)."""
     return arg if type(arg) is bytes else bytes(arg)

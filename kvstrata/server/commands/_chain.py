@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.chunks import MAX_HASH_BYTES, validate_hash
-from kvstrata.protocol.errors import CommandError
+from kvstrata.protocol.errors import CommandError, syntax_error
+from kvstrata.server.commands._args import int_option
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Args
 
@@ -60,6 +61,36 @@ def check_token_limits(values: Mapping[str, Any], ntokens: int, chunk: int) -> N
             f"too many chunks: {ntokens // chunk} of {chunk} tokens, max-chain-chunks is "
             f"{values['max-chain-chunks']}"
         )
+
+
+def packed_tokens(tokens: Any) -> int:
+    """How many token ids a packed little-endian u32 argument holds (refused unless whole)."""
+    nbytes = memoryview(tokens).nbytes
+    if nbytes % 4:
+        raise CommandError("invalid tokens: length must be a multiple of 4 (packed LE u32)")
+    return nbytes // 4
+
+
+def chunk_options(args: Args, start: int, chunk: int) -> tuple[int, list[bytes]]:
+    """``[CHUNK n] [EXTRA x …]`` from ``args[start:]`` (KV.MATCHTOKENS, KV.TIERMATCH TOKENS):
+    the chunk size (``chunk`` when not given) and the extra hash inputs, EXTRA taking every
+    remaining argument. A word without its value is a syntax error; any other word is an
+    unknown option, named in the reply."""
+    extra: list[bytes] = []
+    i = start
+    while i < len(args):
+        word = bytes(args[i]).upper()
+        if word == b"CHUNK" and i + 1 < len(args):
+            chunk = int_option(args[i + 1], "CHUNK", 1, 1 << 20)
+            i += 2
+        elif word == b"EXTRA" and i + 1 < len(args):
+            extra = [bytes(x) for x in args[i + 1 :]]
+            break
+        elif word in (b"CHUNK", b"EXTRA"):
+            raise syntax_error()
+        else:
+            raise CommandError(f"unknown option '{word[:64].decode('utf-8', 'replace')}'")
+    return chunk, extra
 
 
 async def next_slice(start: int) -> None:

@@ -26,14 +26,17 @@ from kvstrata.chunks import (
 )
 from kvstrata.protocol.errors import CommandError, RespError, syntax_error
 from kvstrata.protocol.frames import BulkView
+from kvstrata.server.commands._args import int_option
 from kvstrata.server.commands._chain import (
     SLICE,
     THREAD_TOKENS,
     chain_hashes,
     check_token_limits,
+    chunk_options,
     hash_off_loop,
     matched_sliced,
     next_slice,
+    packed_tokens,
 )
 from kvstrata.server.commands._near import warn_if_option_like
 from kvstrata.server.commands.connection import arg_bytes, parse_int
@@ -53,13 +56,6 @@ def store_of(ctx: Ctx) -> KVStore:
     if store is None:
         raise CommandError("the KV store is not available on this server")
     return store
-
-
-def int_option(arg: Any, what: str, lo: int, hi: int) -> int:
-    value = parse_int(arg, CommandError(f"invalid {what}: value is not an integer"))
-    if not lo <= value <= hi:
-        raise CommandError(f"invalid {what}: must be {lo} to {hi}, got {value}")
-    return value
 
 
 def parse_options(args: Args, start: int, spec: dict[bytes, Callable[[Any], Any] | None]) -> dict:
@@ -362,25 +358,9 @@ async def _match_remote(
 def kv_matchtokens(ctx: Ctx, args: Args) -> Reply:
     ns = validate_namespace(args[1])
     tokens = args[2]
-    if memoryview(tokens).nbytes % 4:
-        raise CommandError("invalid tokens: length must be a multiple of 4 (packed LE u32)")
+    ntokens = packed_tokens(tokens)
     store = store_of(ctx)
-    ntokens = memoryview(tokens).nbytes // 4
-    chunk = int(store.config.chunk_tokens)
-    extra: list[bytes] = []
-    i = 3
-    while i < len(args):
-        word = arg_bytes(args[i]).upper()
-        if word == b"CHUNK" and i + 1 < len(args):
-            chunk = int_option(args[i + 1], "CHUNK", 1, 1 << 20)
-            i += 2
-        elif word == b"EXTRA" and i + 1 < len(args):
-            extra = [arg_bytes(x) for x in args[i + 1 :]]
-            break
-        elif word in (b"CHUNK", b"EXTRA"):
-            raise syntax_error()
-        else:
-            raise CommandError(f"unknown option '{word[:64].decode('utf-8', 'replace')}'")
+    chunk, extra = chunk_options(args, 3, int(store.config.chunk_tokens))
     check_token_limits(ctx.server.config.values, ntokens, chunk)
     from kvstrata.store.hashing import chunk_hashes
 

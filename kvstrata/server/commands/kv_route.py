@@ -13,17 +13,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.chunks import validate_namespace
-from kvstrata.protocol.errors import CommandError, syntax_error
+from kvstrata.protocol.errors import CommandError
 from kvstrata.server.commands._chain import (
     SLICE,
     chain_hashes,
     check_hashes,
     check_token_limits,
+    chunk_options,
     hash_off_loop,
     next_slice,
+    packed_tokens,
 )
 from kvstrata.server.commands.connection import arg_bytes
-from kvstrata.server.commands.kv import NS, int_option, store_of
+from kvstrata.server.commands.kv import NS, store_of
 from kvstrata.server.context import Ctx
 from kvstrata.server.registry import Arg, Args, Reply, command
 from kvstrata.store.events import TierWalk
@@ -70,21 +72,10 @@ def kv_tiermatch(ctx: Ctx, args: Args) -> Reply:
         return tier_match(ctx.server, store, ns, hashes, None)
     if word != b"TOKENS":
         raise CommandError("expected HASHES or TOKENS after the namespace")
-    tokens, chunk, extra = args[3], int(store.config.chunk_tokens), []
-    if memoryview(tokens).nbytes % 4:
-        raise CommandError("invalid tokens: length must be a multiple of 4 (packed LE u32)")
-    i = 4
-    while i < len(args):
-        opt = arg_bytes(args[i]).upper()
-        if opt == b"CHUNK" and i + 1 < len(args):
-            chunk = int_option(args[i + 1], "CHUNK", 1, 1 << 20)
-            i += 2
-        elif opt == b"EXTRA" and i + 1 < len(args):
-            extra = [arg_bytes(x) for x in args[i + 1 :]]
-            break
-        else:
-            raise syntax_error()
-    check_token_limits(ctx.server.config.values, memoryview(tokens).nbytes // 4, chunk)
+    tokens = args[3]
+    ntokens = packed_tokens(tokens)
+    chunk, extra = chunk_options(args, 4, int(store.config.chunk_tokens))
+    check_token_limits(ctx.server.config.values, ntokens, chunk)
     return _tokens_match(ctx.server, store, ns, tokens, chunk, extra)
 
 

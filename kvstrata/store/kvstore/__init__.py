@@ -4,7 +4,8 @@ It ties together the index (``index``), leases (``leases``), placement and evict
 (``placement``), the write path (``kvstore.write``), the read path (``kvstore.read``) and the
 moves into the GPU tier (``kvstore.gpu``) over the configured tiers (``kvstore.build``),
 ordered fast → slow. Bookkeeping is synchronous on the event loop; only tier I/O is awaited,
-and no lock is held across an await (key ownership is described in ``kvstore.state``).
+and no lock is held across an await (key ownership is described in ``kvstore.state``). The
+index queries are ``kvstore.query``'s, INFO's rows and sections ``kvstore.info``'s.
 
 Lifecycle: ``await KVStore.from_config(config, keyspace)`` (or ``KVStore(config, keyspace,
 tiers)``), then ``await store.start()`` (rebuilds the index from the local persistent tiers,
@@ -17,35 +18,43 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvstrata.chunks import ChunkKey
 from kvstrata.config import Config
-from kvstrata.protocol.errors import CommandError
 from kvstrata.store.events import EventSink, TierEvents
-from kvstrata.store.index import ChunkRecord
-from kvstrata.store.keyspace import Keyspace, now_ms
+from kvstrata.store.index import ChunkIndex, ChunkRecord
+from kvstrata.store.keyspace import Keyspace
+from kvstrata.store.kvstore import query
 from kvstrata.store.kvstore.batch import (
     BatchItem,
     BatchReservation,
     check_batch,
-    commit_batch,
+    commit_lease,
     reserve_batch,
     slot_unit,
-    take_chunks,
 )
 from kvstrata.store.kvstore.build import build_tiers, status_of
 from kvstrata.store.kvstore.gpu import GpuPath
+from kvstrata.store.kvstore.info import info_sections, tier_stats
 from kvstrata.store.kvstore.persist import SaveReport, save_to_disk
 from kvstrata.store.kvstore.prefetch import PrefetchPath
 from kvstrata.store.kvstore.read import Payload, ReadPath
 from kvstrata.store.kvstore.rebuild import empty_report, rebuild_index
 from kvstrata.store.kvstore.remote import RemotePath
+from kvstrata.store.kvstore.sink import StoreSink
 from kvstrata.store.kvstore.state import NOT_NOW, NotNow, StoreState, is_internal
-from kvstrata.store.kvstore.write import StoreSink, WritePath
-from kvstrata.store.leases import NO_HOLDER, Holder, Lease, ReadLease, WriteLease, run_sweeper
+from kvstrata.store.kvstore.write import WritePath
+from kvstrata.store.leases import (
+    NO_HOLDER,
+    Holder,
+    Lease,
+    LeaseTable,
+    ReadLease,
+    WriteLease,
+    run_sweeper,
+)
 from kvstrata.store.placement import Placement
 from kvstrata.store.write_limits import admit_reserve, write_lease_ttl
 from kvstrata.tiers.arena import ArenaTier
@@ -96,11 +105,11 @@ class KVStore:
         return self.state.tiers
 
     @property
-    def index(self) -> Any:
+    def index(self) -> ChunkIndex:
         return self.state.index
 
     @property
-    def leases(self) -> Any:
+    def leases(self) -> LeaseTable:
         return self.state.leases
 
     @classmethod
@@ -272,19 +281,7 @@ class KVStore:
         those chunks of a KV.MRESERVE lease (by request position). ``digests``: the writer's
         checksum of each named slot (``indexes[i]``'s, or the KV.RESERVE slot's), None for
         none; the caller checked that they pair up."""
-        claims = {i: d for i, d in zip(indexes, digests, strict=False) if d is not None}
-        if indexes:
-            _, chunks = take_chunks(self.writes, lease_id, indexes, holder)
-            await commit_batch(self.writes, chunks, claims)
-            return
-        lease = self.writes.find_write_lease(lease_id, "KV.COMMIT", holder)
-        if digests and not isinstance(lease, WriteLease):  # the lease stays as it was
-            raise CommandError("DIGEST with a KV.MRESERVE lease needs the chunks' indexes")
-        self.state.leases.pop(lease_id)
-        if isinstance(lease, WriteLease):
-            await self.writes.commit(lease, digests[0] if digests else None)
-        else:
-            await commit_batch(self.writes, lease.chunks)
+        await commit_lease(self.writes, lease_id, indexes, holder, digests)
 
     def abort(self, lease_id: str, holder: Holder = NO_HOLDER) -> None:
         self.writes.abort(lease_id, holder)
@@ -330,22 +327,7 @@ class KVStore:
     def matched(self, ns: str, hashes: Sequence[bytes]) -> list[ChunkRecord]:
         """Records of the leading chunks of the chain this node knows (present, committed,
         unexpired; a chunk known to be in s3 counts). Index only: no I/O."""
-        state = self.state
-        get = state.index.get
-        now = now_ms()
-        stamp = time.monotonic()
-        out: list[ChunkRecord] = []
-        for h in hashes:
-            rec = get(ChunkKey(ns, h))
-            if rec is None or not rec.tiers:
-                break
-            if rec.expire_at is not None and rec.expire_at <= now:
-                state.live(rec.key, now)  # deletes it
-                break
-            rec.last_access = stamp
-            out.append(rec)
-        state.trace("match", ns, hashes)  # a match refreshes LRU order: it is placement
-        return out
+        return query.matched(self.state, ns, hashes)
 
     def wants_remote(self, found: int, wanted: int) -> bool:
         """True when a match that found ``found`` of ``wanted`` chunks should ask s3."""
@@ -367,12 +349,7 @@ class KVStore:
     def check_link(self, ns: str, hash: bytes, parent: bytes) -> None:
         """Refuse a parent link that would close a loop (a chunk in a loop is never a leaf,
         so it could never be evicted)."""
-        key = ChunkKey(ns, hash)
-        rec = self.index.get(key)
-        if rec is not None and rec.parent == parent:
-            return  # the same link again (a re-PUT): no climb up the chain
-        if self.index.makes_cycle(key, parent):
-            raise CommandError("invalid parent: the chain would loop back to this chunk")
+        query.check_link(self.state.index, ns, hash, parent)
 
     def match(self, ns: str, hashes: Sequence[bytes]) -> int:
         """Number of leading chunks of the chain this node knows (index only)."""
@@ -380,8 +357,7 @@ class KVStore:
 
     def tiers_of(self, records: Sequence[ChunkRecord]) -> list[str]:
         """The fastest tier holding each record."""
-        order = [t.name for t in self.state.tiers]
-        return [next(n for n in order if n in rec.tiers) for rec in records]
+        return query.tiers_of(self.state.tiers, records)
 
     def match_tiers(self, ns: str, hashes: Sequence[bytes]) -> list[str]:
         """The fastest tier holding each locally matched chunk."""
@@ -443,25 +419,7 @@ class KVStore:
         await self.hints.prefetch.idle()
 
     def info(self, ns: str, hash: bytes) -> dict[str, Any] | None:
-        rec = self.state.live(ChunkKey(ns, hash))
-        if rec is None:
-            return None
-        order = [t.name for t in self.state.tiers]
-        ttl = -1 if rec.expire_at is None else max(0, rec.expire_at - now_ms())
-        return {
-            "tiers": [n for n in order if n in rec.tiers],
-            "size": rec.size,
-            "tokens": rec.tokens,
-            "parent": rec.parent.hex(),
-            "children": len(self.state.index.children_of(rec)),
-            "hits": rec.hits,
-            "last_access_ms_ago": int((time.monotonic() - rec.last_access) * 1000),
-            "checksum": rec.checksum.hex(),
-            "checksum_verified": int(rec.verified),
-            "codec": rec.codec,
-            "leases": rec.leases,
-            "ttl": ttl,
-        }
+        return query.chunk_info(self.state, ns, hash)
 
     async def delete(self, ns: str, hash: bytes, cascade: bool = False) -> int:
         """Delete a chunk (and with ``cascade`` its descendants) from every tier; waits for the
@@ -479,61 +437,10 @@ class KVStore:
     # -- statistics --------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        state = self.state
-        out: dict[str, dict[str, Any]] = {}
-        for tier in state.tiers:
-            row: dict[str, Any] = {
-                "capacity": tier.capacity,
-                "used": tier.used,
-                "chunks": state.index.count_in.get(tier.name, 0),
-                "bytes": state.index.bytes_in.get(tier.name, 0),
-            }
-            row.update(state.counters[tier.name].as_dict())
-            row["integrity_errors"] = tier.stats.integrity_errors
-            pol = self.placement.policy(tier.name)
-            row["write_policy"] = "write-through" if pol.write_through else "write-back"
-            for k, v in tier.info().items():
-                row.setdefault(k, v)
-            out[tier.name] = row
-        return out
+        return tier_stats(self.state, self.placement)
 
     def info_sections(self) -> dict[str, list[tuple[str, object]]]:
-        tiers: list[tuple[str, object]] = [
-            ("tiers", ",".join(t.name for t in self.tiers)),
-            ("gpu_status", self.gpu_status),
-        ]
-        for name, row in self.stats().items():
-            tiers.extend((f"{name}_{k}", v) for k, v in row.items()
-                         if isinstance(v, int | float | str))  # fmt: skip
-        tiers += [
-            ("kv_chunks", len(self.state.index)),
-            ("kv_leases", len(self.state.leases)),
-            ("kv_leases_expired", self.state.leases.expired),
-            ("kv_leases_refused", self.state.leases.refused),
-            ("kv_leased_bytes", self.state.leases.pinned_bytes()),
-            ("kv_fenced_leases", len(self.state.fences)),
-            ("kv_fenced_bytes", self.state.fences.nbytes),
-            ("kv_fenced_total", self.state.fences.fenced_total),
-            ("kv_integrity_errors", self.state.integrity_errors),
-            ("kv_digest_failures", self.state.digest_failures),
-            ("kv_digest_refused", self.state.digest_refused),
-            ("kv_store_errors", self.state.errors),
-            ("kv_write_waiting", len(self.placement.room)),
-            ("kv_write_waited", self.placement.room.waited),
-            ("kv_write_wait_timeouts", self.placement.room.timeouts),
-            ("kv_moves_in_flight", len(self.state.moves)),
-        ]
-        persistence: list[tuple[str, object]] = [
-            (f"rebuild_{k}", round(v, 3) if isinstance(v, float) else v)
-            for k, v in self.rebuild.items()
-        ]
-        tiers += self.remote.info()
-        return {
-            "tiers": tiers,
-            "persistence": persistence,
-            "prefetch": self.hints.info(),
-            "events": self.events.info() if self.events is not None else [("kv_events", 0)],
-        }
+        return info_sections(self)
 
     def tier_error_count(self) -> int:
         return self.state.errors

@@ -38,6 +38,7 @@ from kvstrata.store.leases import (
     BatchWriteLease,
     Holder,
     ReservedChunk,
+    WriteLease,
     deadline_after,
 )
 from kvstrata.tiers.alloc import round_up
@@ -51,6 +52,7 @@ __all__ = [
     "BatchReservation",
     "check_room",
     "commit_batch",
+    "commit_lease",
     "reserve_batch",
     "slot_unit",
     "take_chunks",
@@ -247,3 +249,27 @@ async def commit_batch(
     finally:
         for chunk in chunks:
             chunk.sink.abort()  # a no-op for the published ones
+
+
+async def commit_lease(
+    writes: WritePath,
+    lease_id: str,
+    indexes: Sequence[int] = (),
+    holder: Holder = NO_HOLDER,
+    digests: Sequence[bytes | None] = (),
+) -> None:
+    """``KVStore.commit``: KV.COMMIT of a KV.RESERVE lease (its slot, ``WritePath.commit``) or
+    of a KV.MRESERVE lease (the chunks at ``indexes``, or all that are left)."""
+    claims = {i: d for i, d in zip(indexes, digests, strict=False) if d is not None}
+    if indexes:
+        _, chunks = take_chunks(writes, lease_id, indexes, holder)
+        await commit_batch(writes, chunks, claims)
+        return
+    lease = writes.find_write_lease(lease_id, "KV.COMMIT", holder)
+    if digests and not isinstance(lease, WriteLease):  # the lease stays as it was
+        raise CommandError("DIGEST with a KV.MRESERVE lease needs the chunks' indexes")
+    writes.state.leases.pop(lease_id)
+    if isinstance(lease, WriteLease):
+        await writes.commit(lease, digests[0] if digests else None)
+    else:
+        await commit_batch(writes, lease.chunks)

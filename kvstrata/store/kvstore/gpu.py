@@ -25,7 +25,8 @@ from __future__ import annotations
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.kvstore.state import StoreState
-from kvstrata.store.placement import Placement, check_bytes
+from kvstrata.store.mover import check_bytes
+from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import (
     ChunkMissing,
     Handle,
@@ -42,7 +43,7 @@ from kvstrata.tiers.nvme import NvmeTier
 class GpuSink:
     """A reserved, invisible GPU slot owned by one writer (a ``KV.RESERVE … TIER gpu`` lease).
 
-    Same life cycle as :class:`~kvstrata.store.kvstore.write.StoreSink`: ``host_bytes()`` (at
+    Same life cycle as :class:`~kvstrata.store.kvstore.sink.StoreSink`: ``host_bytes()`` (at
     commit) copies the slot to the host, ``place()`` commits the copies, ``abort()`` frees
     whatever is still reserved and ends the writer's ownership of the key (a no-op once
     committed).

@@ -13,37 +13,28 @@ concurrent writers stores the chunk and the others wait for it and answer 0.
 ``KV.COMMIT … DIGEST d…`` carries the writer's own checksum of each slot (computed while it
 copied the bytes in, ``clients.copysum``): a DRAM slot's claim is adopted without hashing the
 slot again, and the record says it is unverified until the first copy out of DRAM checks it
-(:func:`~kvstrata.store.placement.check_bytes`; a wrong claim then drops the chunk like a
+(:func:`~kvstrata.store.mover.check_bytes`; a wrong claim then drops the chunk like a
 corrupt copy). Where the commit copies the bytes anyway (a GPU slot, a write-through tier) the
 claim is checked at once and a wrong one refuses the chunk.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
-from collections.abc import Collection
 from typing import Any
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
-from kvstrata.protocol.errors import BusyError, CommandError, LeaseError, OutOfMemoryError
+from kvstrata.protocol.errors import BusyError, CommandError, OutOfMemoryError
 from kvstrata.store.index import ChunkRecord, record_from_meta
 from kvstrata.store.keyspace import now_ms
 from kvstrata.store.kvstore.gpu import GpuPath, GpuSink
+from kvstrata.store.kvstore.sink import PayloadSlots, StoreSink
 from kvstrata.store.kvstore.state import NOT_NOW, NotNow, StoreState, is_internal, is_shared
-from kvstrata.store.leases import (
-    NO_HOLDER,
-    BatchWriteLease,
-    Holder,
-    ReadLease,
-    WriteLease,
-    deadline_after,
-)
-from kvstrata.store.placement import Placement, check_bytes
+from kvstrata.store.kvstore.write_leases import WriteLeases
+from kvstrata.store.leases import NO_HOLDER, Holder, WriteLease, deadline_after
+from kvstrata.store.mover import check_bytes
+from kvstrata.store.placement import Placement
 from kvstrata.tiers.base import Buffer, Handle, TierError, TierFull
-from kvstrata.tiers.checksum import RunningChecksum, checksum
-
-log = logging.getLogger("kvstrata.store")
+from kvstrata.tiers.checksum import checksum
 
 
 def byte_view(data: Buffer) -> memoryview:
@@ -52,12 +43,6 @@ def byte_view(data: Buffer) -> memoryview:
 
 
 KEY_WAIT_SECONDS = 30.0  # a writer waiting for another writer of the same key gives up (BUSY)
-#: share of the DRAM arena that payloads still arriving may reserve: a stalled upload (even of
-#: almost the arena's size) never leaves other writers without room; beyond it a payload is
-#: buffered as it arrives and copied in when its command runs
-RECEIVING_SHARE = 0.5
-_SINK_NS = "\0payload"  # never a client namespace (validated): provisional slot keys
-_sink_ids = itertools.count(1)
 
 
 def _checksum(data: memoryview, sink: Any) -> bytes:
@@ -65,118 +50,16 @@ def _checksum(data: memoryview, sink: Any) -> bytes:
     return sink.checksum() if type(sink) is StoreSink and data is sink.view else checksum(data)
 
 
-class StoreSink:
-    """A reserved, invisible DRAM slot (implements ``PayloadSink``).
+class WritePath(PayloadSlots, WriteLeases):
+    """KV.PUT and KV.RESERVE / COMMIT: see the module docstring. The slots of payloads still
+    arriving are :class:`PayloadSlots`'s (``kvstore.sink``), finding and ending write leases
+    :class:`WriteLeases`'s (``kvstore.write_leases``)."""
 
-    A write lease's sink (KV.RESERVE) owns the key's claim from the start. A KV.PUT payload's
-    sink does not: its slot is reserved under a provisional key while the bytes arrive, and the
-    key is claimed only when the command runs (so a stalled upload or a command queued behind
-    it never blocks other writers of the key); ``place`` then binds the slot to the chunk.
-    ``abort()`` frees the slot (and the claim it owns); it is a no-op once the slot was
-    committed, so callers may always call it in a ``finally``.
-    """
-
-    def __init__(
-        self,
-        state: StoreState,
-        key: ChunkKey,
-        view: memoryview,
-        slot_key: ChunkKey | None = None,
-        on_settled: Any = None,
-    ) -> None:
-        self.state = state
-        self._on_settled = on_settled  # called once when the provisional slot is bound or freed
-        self.key = key
-        self.view = view
-        self.nbytes = view.nbytes
-        self.slot_key = key if slot_key is None else slot_key
-        self.owns_claim = slot_key is None
-        self.consumed = False
-        self.done = False
-        self._sum: RunningChecksum | None = None  # fed by the connection as bytes arrive
-
-    def received(self, filled: int) -> None:
-        """The connection received bytes ``[0, filled)`` of the payload into the slot: fold
-        them into the checksum now, while they are in the CPU cache."""
-        if self._sum is None:
-            self._sum = RunningChecksum()
-        self._sum.advance(self.view, filled)
-
-    def checksum(self) -> bytes:
-        """The checksum of the slot's bytes (the rest of what ``received`` folded in)."""
-        return checksum(self.view) if self._sum is None else self._sum.digest(self.view)
-
-    def consume(self) -> StoreSink:
-        self.consumed = True
-        return self
-
-    async def host_bytes(self) -> memoryview:
-        return self.view
-
-    def place(self, meta: ChunkMeta) -> list[str]:
-        """Commit the slot (the chunk's DRAM copy); the tiers it is now in."""
-        dram = self.state.dram
-        assert dram is not None
-        if self.slot_key != meta.key:
-            dram.rekey_reserved(self.slot_key, meta.key)
-            self.slot_key = meta.key
-        self._settle()
-        dram.commit(meta)
-        return [dram.name]
-
-    def abort(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        if self.owns_claim:  # a write lease's slot given back unpublished (KV.ABORT, expiry)
-            self.state.trace("abort", self.key.namespace, [self.key.hash])
-        self._settle()
-        if self.state.dram is not None:
-            self.state.dram.abort(self.slot_key)
-        if self.owns_claim:
-            self.state.release_claim(self.key)
-
-    def _settle(self) -> None:
-        if self._on_settled is not None:
-            on_settled, self._on_settled = self._on_settled, None
-            on_settled(self.nbytes)
-
-    def committed(self) -> None:
-        self.done = True
-        if self.owns_claim:
-            self.state.release_claim(self.key)
-
-
-class WritePath:
     def __init__(self, state: StoreState, placement: Placement, gpu: GpuPath | None = None) -> None:
         self.state = state
         self.placement = placement
         self.gpu = gpu
         self.receiving = 0  # bytes of provisional slots whose payload is still arriving
-
-    # -- synchronous reservation for large payloads ----------------------------------------------
-
-    def reserve_put(self, ns: str, hash: bytes, parent: bytes, nbytes: int) -> StoreSink | None:
-        """A DRAM slot for an arriving KV.PUT payload, or None (the caller buffers it itself)
-        when there is no room now, or when payloads still arriving would hold more than
-        RECEIVING_SHARE of the arena. The key is not claimed here (see StoreSink)."""
-        dram = self.state.dram
-        if dram is None or nbytes <= 0 or self.receiving + nbytes > dram.capacity * RECEIVING_SHARE:
-            return None
-        if len(self.placement.room):  # writers wait for room: this one queues behind them
-            self.placement.kick_now()
-            return None
-        slot_key = ChunkKey(_SINK_NS, next(_sink_ids).to_bytes(8, "big"))
-        try:
-            view = dram.reserve(slot_key, nbytes)
-        except TierError:
-            self.placement.kick()
-            return None
-        self.receiving += nbytes
-        return StoreSink(self.state, ChunkKey(ns, hash), view, slot_key, self._settled)
-
-    def _settled(self, nbytes: int) -> None:
-        self.receiving -= nbytes
 
     # -- KV.PUT ----------------------------------------------------------------------------------
 
@@ -485,41 +368,6 @@ class WritePath:
         self.state.trace("reserve", key.namespace, [key.hash], size=nbytes)
         return StoreSink(self.state, key, view), dram.reserved_handle(key)
 
-    def find_write_lease(
-        self,
-        lease_id: str,
-        verb: str,
-        holder: Holder = NO_HOLDER,
-        indexes: Collection[int] | None = None,
-    ) -> WriteLease | BatchWriteLease:
-        """A live write lease (of KV.RESERVE or KV.MRESERVE) of ``holder`` for ``verb``, left
-        in the table. Another holder's lease is refused like an unknown one. An expired one is
-        fenced as the sweeper does (``store.fences``), then the fence of the slots at
-        ``indexes`` (default all) ends, since the holder says it is done with them; refused."""
-        leases = self.state.leases
-        lease = leases.get(lease_id)
-        if lease is None or lease.holder.id != holder.id:
-            if self.state.fences.end(lease_id, holder, indexes):  # the late writer is done
-                raise LeaseError(f"lease {lease_id} expired: nothing was committed")
-            raise LeaseError(f"no such lease {lease_id!r} (unknown, ended or expired)")
-        if isinstance(lease, ReadLease):
-            raise LeaseError(f"lease {lease_id} is a read lease; {verb} needs a KV.RESERVE lease")
-        if leases.is_expired(lease):
-            leases.expire(lease_id)
-            self.state.fences.fence_expired(lease, self.state.region_tier)
-            self.end_write_lease(lease)
-            self.state.fences.end(lease_id, holder, indexes)
-            raise LeaseError(f"lease {lease_id} expired: nothing was committed")
-        return lease
-
-    def take_write_lease(
-        self, lease_id: str, verb: str, holder: Holder = NO_HOLDER
-    ) -> WriteLease | BatchWriteLease:
-        """:meth:`find_write_lease`, removed from the table."""
-        lease = self.find_write_lease(lease_id, verb, holder)
-        self.state.leases.pop(lease_id)
-        return lease
-
     async def commit(self, lease: WriteLease, claim: bytes | None = None) -> None:
         """Publish the slot of a lease taken with :meth:`take_write_lease` (``claim``: see
         :meth:`commit_new`)."""
@@ -533,16 +381,6 @@ class WritePath:
             await self.commit_new(lease.key, lease.parent, lease.tokens, None, data, sink, claim)
         finally:
             sink.abort()
-
-    def abort(self, lease_id: str, holder: Holder = NO_HOLDER) -> None:
-        self.end_write_lease(self.take_write_lease(lease_id, "KV.ABORT", holder))
-
-    def end_write_lease(self, lease: WriteLease | BatchWriteLease) -> None:
-        if isinstance(lease, WriteLease):
-            lease.sink.abort()
-        else:
-            for chunk in lease.chunks:
-                chunk.sink.abort()
 
 
 def _check_sink(sink: Any, key: ChunkKey) -> None:
