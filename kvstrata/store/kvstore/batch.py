@@ -18,6 +18,11 @@ The batch keeps every guarantee of a single reservation:
 - Committing stops at the first chunk that cannot be published (a write-through tier failed):
   the chunks named before it are published, it and the rest of the command's are discarded,
   and the error says which.
+- The common case costs no awaiting: a slot that fits DRAM now, with no writer queued for
+  room, is reserved at once, and a batch of DRAM slots with no write-through tier is published
+  in one loop (the same steps per chunk as ``WritePath.commit_new``, the policy looked up and
+  the demoter woken once per batch); the GPU pool, a wait for room and write-through tiers
+  take the awaited per-chunk path.
 - The batch is one lease (``lease-max``, ``lease-max-per-client`` count it once), of the
   connection that reserved it: no other connection can commit or abort it. Expiry while its
   holder is still connected fences each slot still reserved (a published one is the stored
