@@ -173,20 +173,20 @@ class ChunkIndex:
 
     def add(self, rec: ChunkRecord) -> None:
         """Insert a record (its ``tiers`` already filled in). The key must not be present."""
-        if rec.key in self._records:
-            raise KeyError(f"chunk {rec.key.hex} already indexed")
+        key = rec.key
+        if key in self._records:
+            raise KeyError(f"chunk {key.hex} already indexed")
         rec.alive = True
-        self._records[rec.key] = rec
-        rec.children = self._children.setdefault(rec.key, set())
+        self._records[key] = rec
+        rec.children = kids = self._children.setdefault(key, set())
         counts: dict[str, int] = {}
-        for child in self.children_of(rec):
-            for tier in child.tiers:
-                counts[tier] = counts.get(tier, 0) + 1
+        if kids:  # children stored before their parent (rare: a new chunk has none)
+            for child in self.children_of(rec):
+                for tier in child.tiers:
+                    counts[tier] = counts.get(tier, 0) + 1
         rec.child_res = counts
         if rec.parent:
-            self._children.setdefault(ChunkKey(rec.key.namespace, rec.parent), set()).add(
-                rec.key.hash
-            )
+            self._children.setdefault(ChunkKey(key.namespace, rec.parent), set()).add(key.hash)
         tiers = list(rec.tiers)
         rec.tiers = set()
         for tier in tiers:

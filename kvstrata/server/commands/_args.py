@@ -26,7 +26,10 @@ _INT_RE = re.compile(rb"0|-?[1-9][0-9]{0,18}")
 
 def int_option(arg: Any, what: str, lo: int, hi: int) -> int:
     """An integer option's value, ``lo`` to ``hi``; the error names the option."""
-    value = parse_int(arg, CommandError(f"invalid {what}: value is not an integer"))
+    try:
+        value = parse_int(arg)  # the error is built only when needed (64 per KV.MRESERVE)
+    except CommandError:
+        raise CommandError(f"invalid {what}: value is not an integer") from None
     if not lo <= value <= hi:
         raise CommandError(f"invalid {what}: must be {lo} to {hi}, got {value}")
     return value

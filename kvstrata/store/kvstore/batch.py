@@ -18,6 +18,11 @@ The batch keeps every guarantee of a single reservation:
 - Committing stops at the first chunk that cannot be published (a write-through tier failed):
   the chunks named before it are published, it and the rest of the command's are discarded,
   and the error says which.
+- The common case costs no awaiting: a slot that fits DRAM now, with no writer queued for
+  room, is reserved at once, and a batch of DRAM slots with no write-through tier is published
+  in one loop (the same steps per chunk as ``WritePath.commit_new``, the policy looked up and
+  the demoter woken once per batch); the GPU pool, a wait for room and write-through tiers
+  take the awaited per-chunk path.
 - The batch is one lease (``lease-max``, ``lease-max-per-client`` count it once), of the
   connection that reserved it: no other connection can commit or abort it. Expiry while its
   holder is still connected fences each slot still reserved (a published one is the stored
@@ -30,8 +35,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstrata.chunks import ChunkKey
+from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.protocol.errors import CommandError, OutOfMemoryError, RespError
+from kvstrata.store.kvstore.sink import StoreSink
 from kvstrata.store.kvstore.write import WritePath
 from kvstrata.store.leases import (
     NO_HOLDER,
@@ -43,7 +49,7 @@ from kvstrata.store.leases import (
 )
 from kvstrata.tiers.alloc import round_up
 from kvstrata.tiers.arena import ArenaTier
-from kvstrata.tiers.base import Handle, TierError
+from kvstrata.tiers.base import Handle, TierError, TierFull
 
 __all__ = [
     "BUSY",
@@ -104,16 +110,22 @@ def slot_unit(writes: WritePath) -> int:
     return dram.unit if isinstance(dram, ArenaTier) else 1
 
 
-def check_room(writes: WritePath, ns: str, items: Sequence[BatchItem]) -> None:
+def check_room(
+    writes: WritePath, ns: str, items: Sequence[BatchItem], keys: Sequence[ChunkKey] = ()
+) -> None:
     """Refuse with -OOM, before anything is evicted, a DRAM batch whose new slots exceed what
     evicting every chunk that may leave would free (leased, pinned, moving and fenced chunks
-    and other reservations stay): making room for it would empty DRAM and still fail."""
+    and other reservations stay): making room for it would empty DRAM and still fail.
+    ``keys``: the items' chunk keys when the caller made them already."""
     dram = writes.state.dram
     if not isinstance(dram, ArenaTier):
         return
-    state = writes.state
+    live = writes.state.live
+    keys = keys or [ChunkKey(ns, item.hash) for item in items]
     need = sum(
-        dram.slot_size(item.nbytes) for item in items if state.live(ChunkKey(ns, item.hash)) is None
+        dram.slot_size(item.nbytes)
+        for item, key in zip(items, keys, strict=True)
+        if live(key) is None
     )
     if need <= dram.largest_free():
         return  # fits without evicting anything
@@ -144,19 +156,22 @@ async def reserve_batch(
         if not 0 < item.nbytes <= limit:
             raise CommandError(f"invalid nbytes: must be 1 to {limit} (the tier's size)")
     check_batch(items, parent, limit, slot_unit(writes))
+    keys = [ChunkKey(ns, item.hash) for item in items]
     if tier != "gpu":
-        check_room(writes, ns, items)
+        check_room(writes, ns, items, keys)
     reserved: list[ReservedChunk] = []
     entries: list[Handle | str] = []
+    live, claim = state.live, state.claim
     try:
-        for i, item in enumerate(items):
-            key = ChunkKey(ns, item.hash)
-            if state.live(key) is not None:
+        for i, (item, key) in enumerate(zip(items, keys, strict=True)):
+            if live(key) is not None:
                 entries.append(EXISTS)
-            elif not state.claim(key):
+            elif not claim(key):
                 entries.append(BUSY)
             else:
-                chunk = await _reserve_one(writes, i, key, parent, tokens, item.nbytes, tier)
+                chunk = _reserve_now(writes, i, key, parent, tokens, item.nbytes, tier)
+                if chunk is None:  # no room now, or the GPU pool: in turn, as KV.RESERVE does
+                    chunk = await _reserve_one(writes, i, key, parent, tokens, item.nbytes, tier)
                 reserved.append(chunk)
                 entries.append(chunk.handle)
             parent = item.hash
@@ -174,6 +189,35 @@ async def reserve_batch(
     )
     state.leases.add(lease)
     return BatchReservation(lease, tuple(entries))
+
+
+def _reserve_now(
+    writes: WritePath,
+    index: int,
+    key: ChunkKey,
+    parent: bytes,
+    tokens: int,
+    nbytes: int,
+    tier: str | None,
+) -> ReservedChunk | None:
+    """:func:`_reserve_one` without awaiting, for the common case: a DRAM slot that fits now
+    with no writer queued for room (what ``WritePath.reserve_slot`` does first, in the same
+    order: the slot, its trace record, its sink and handle). None: take the awaited path
+    (nothing was done). The caller holds the key's claim (released here when this fails)."""
+    dram = writes.state.dram
+    if tier == "gpu" or dram is None or nbytes > dram.capacity or len(writes.placement.room):
+        return None
+    try:
+        view = dram.reserve(key, nbytes)
+    except TierFull:
+        return None
+    except BaseException:
+        writes.state.release_claim(key)
+        raise
+    if writes.state.tracer is not None:  # (``trace`` would drop it; no arguments built)
+        writes.state.trace("reserve", key.namespace, [key.hash], size=nbytes)
+    sink = StoreSink(writes.state, key, view)
+    return ReservedChunk(index, key, parent, tokens, nbytes, dram.reserved_handle(key), sink)
 
 
 async def _reserve_one(
@@ -228,14 +272,18 @@ async def commit_batch(
     checksum of that slot (KV.COMMIT DIGEST, see ``WritePath.commit_new``)."""
     for chunk in chunks:
         chunk.sink.consume()
+    now = _publishes_now(writes, chunks)
     try:
         for i, chunk in enumerate(chunks):
             try:
+                claim = None if claims is None else claims.get(chunk.index)
+                if now:
+                    _publish_now(writes, chunk, claim)
+                    continue
                 try:
                     data = await chunk.sink.host_bytes()  # a GPU slot is copied to the host
                 except TierError as exc:
                     raise CommandError(f"the reserved slot cannot be read: {exc}") from exc
-                claim = None if claims is None else claims.get(chunk.index)
                 await writes.commit_new(
                     chunk.key, chunk.parent, chunk.tokens, None, data, chunk.sink, claim
                 )
@@ -249,6 +297,40 @@ async def commit_batch(
     finally:
         for chunk in chunks:
             chunk.sink.abort()  # a no-op for the published ones
+        if now:
+            writes.placement.kick()  # once: the chunks' commits changed no tier's fill
+
+
+def _publishes_now(writes: WritePath, chunks: Sequence[ReservedChunk]) -> bool:
+    """True when committing ``chunks`` is bookkeeping only: every slot is in DRAM and no
+    write-through tier takes the bytes (``WritePath.commit_new`` would await nothing), so
+    the batch is published in one synchronous loop (:func:`_publish_now`) with the policy
+    looked up once."""
+    return (
+        writes.state.dram is not None
+        and all(type(chunk.sink) is StoreSink for chunk in chunks)
+        and not writes._copied_at_commit()
+    )
+
+
+def _publish_now(writes: WritePath, chunk: ReservedChunk, claim: bytes | None) -> None:
+    """``WritePath.commit_new`` of a DRAM slot when no tier takes it at commit, the same steps
+    in the same order (checksum or the writer's claim, the trace record, the slot committed,
+    the record published) without the per-chunk policy lookups; the caller wakes the
+    demoter once for the batch."""
+    sink = chunk.sink
+    key = chunk.key
+    csum, verified = (sink.checksum(), True) if claim is None else (claim, False)
+    meta = ChunkMeta(key, chunk.parent, chunk.tokens, sink.nbytes, csum)
+    state = writes.state
+    if state.tracer is not None:
+        writes._trace_put(meta, None)
+    try:
+        placed = sink.place(meta)
+    except Exception:
+        state.trace("del", key.namespace, [key.hash])
+        raise
+    writes._publish(meta, placed, None, sink, verified, kick=False)
 
 
 async def commit_lease(

@@ -209,8 +209,10 @@ class WritePath(PayloadSlots, WriteLeases):
         ttl_ms: int | None,
         sink: StoreSink | GpuSink | None,
         verified: bool = True,
+        kick: bool = True,
     ) -> None:
-        """Make a placed chunk visible (index, keyspace) and account for it."""
+        """Make a placed chunk visible (index, keyspace) and account for it (``kick``: wake
+        the demoter if a tier is above its high mark; a batch does that once)."""
         rec = record_from_meta(meta, None if ttl_ms is None else now_ms() + ttl_ms)
         rec.verified = verified
         rec.tiers = set(placed)
@@ -219,7 +221,8 @@ class WritePath(PayloadSlots, WriteLeases):
             sink.committed()  # the slot belongs to the chunk now; the key is free again
         for name in placed:
             self.state.counters[name].bytes_in += meta.size
-        self.placement.kick()
+        if kick:
+            self.placement.kick()
 
     async def _place(
         self,
