@@ -7,7 +7,7 @@ One JSON object per line, one line per placement-changing operation, payloads ne
     {"t": 0.0132, "op": "put", "ns": "llama", "hash": "9f…", "parent": "", "size": 1048576,
      "tokens": 256}
     {"t": 0.0140, "op": "match", "ns": "llama", "hashes": ["9f…", "1c…"], "prefetch": false}
-    {"t": 0.0141, "op": "get", "ns": "llama", "hash": "9f…"}
+    {"t": 0.0141, "op": "get", "ns": "llama", "hash": "9f…", "tier": "dram"}
     {"t": 0.0150, "op": "lease", "ns": "llama", "hashes": ["9f…"], "to": "dram", "lease": "r7"}
     {"t": 0.0151, "op": "release", "ns": "llama", "hashes": [], "lease": "r7"}
     {"t": 0.0152, "op": "session", "ns": "llama", "session": "user-1", "hash": "1c…"}
@@ -60,10 +60,10 @@ from typing import IO, Any
 
 OPS = (
     "put", "get", "match", "lease", "release", "session", "prefetch", "del", "demote", "demoted",
-    "reserve", "abort",
+    "reserve", "abort", "fetch", "room", "roomed",
 )  # fmt: skip
 #: ops that name exactly one chunk (``hash``)
-ONE_HASH = ("put", "get", "session", "del", "reserve", "abort")
+ONE_HASH = ("put", "get", "session", "del", "reserve", "abort", "fetch")
 
 
 class TraceError(ValueError):
@@ -86,6 +86,7 @@ class Event:
     deadline: int = 0  # prefetch: ms (0: none)
     lease: str = ""  # lease, release: the lease id ("" : no lease was granted)
     since: float = 0.0  # lease: seconds from the lease's start (its promotions) to ``t``
+    tier: str | None = None  # get: the tier that served it ("": a miss; None: not recorded)
 
 
 def _hex(value: Any, what: str) -> bytes:
@@ -118,7 +119,7 @@ def parse_event(obj: Any) -> Event:
         raise ValueError(f"{op} needs one hash")
     sid = obj.get("session")
     size = int(obj.get("size", 0))
-    if op in ("put", "reserve") and size <= 0:
+    if op in ("put", "reserve", "room") and size <= 0:
         raise ValueError(f"{op} needs a positive size")
     return Event(
         t=t,
@@ -135,6 +136,7 @@ def parse_event(obj: Any) -> Event:
         deadline=int(obj.get("deadline", 0)),
         lease=str(obj.get("lease", "")),
         since=max(0.0, float(obj.get("since", 0.0))),
+        tier=None if obj.get("tier") is None else str(obj["tier"]),
     )
 
 
@@ -154,15 +156,15 @@ def event_dict(ev: Event) -> dict[str, Any]:
     out: dict[str, Any] = {"t": round(ev.t, 6), "op": ev.op, "ns": ev.ns}
     if ev.op in ONE_HASH:
         out["hash"] = ev.hashes[0].hex()
-    elif ev.hashes or ev.op not in ("prefetch", "demote", "demoted", "release"):
+    elif ev.hashes or ev.op not in ("prefetch", "demote", "demoted", "release", "room", "roomed"):
         out["hashes"] = [h.hex() for h in ev.hashes]
     if ev.op == "put":
         out.update(parent=ev.parent.hex(), size=ev.size, tokens=ev.tokens)
-    elif ev.op == "reserve":
+    elif ev.op in ("reserve", "room"):
         out["size"] = ev.size
     if ev.session is not None:
         out["session"] = ev.session.decode("utf-8", "backslashreplace")
-    if ev.op in ("lease", "prefetch", "demote", "demoted"):
+    if ev.op in ("lease", "prefetch", "demote", "demoted", "fetch", "room", "roomed"):
         out["to"] = ev.to
     if ev.op == "match":
         out["prefetch"] = ev.prefetch
@@ -176,6 +178,8 @@ def event_dict(ev: Event) -> dict[str, Any]:
         out["lease"] = ev.lease
     if ev.since:
         out["since"] = round(ev.since, 6)
+    if ev.tier is not None:
+        out["tier"] = ev.tier
     return out
 
 

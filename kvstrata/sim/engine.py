@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from kvstrata.chunks import ChunkKey
 from kvstrata.sim.prefetch import PrefetchModel
+from kvstrata.sim.roomq import SimRoomQueue
 from kvstrata.sim.vleases import SimLeases
 from kvstrata.sim.vtiers import ORDER, TierSpec, VTier
 from kvstrata.store.index import ChunkIndex, ChunkRecord
@@ -84,8 +85,17 @@ class Simulator(SimLeases):
         self._reserved: dict[ChunkKey, int] = {}  # write-lease slots not committed yet
         #: the recorded demoter round in flight: (tier index, its victims, moving)
         self._round: tuple[int, list[ChunkRecord]] | None = None
+        #: the recorded room maker's round in flight (``room``/``roomed`` marks), the same
+        self._room: tuple[int, list[ChunkRecord]] | None = None
+        #: a trace with the room maker's marks: DRAM placements wait for its rounds
+        self.room_marks = False
+        self.roomq = SimRoomQueue(self)
         self.ops = 0
         self.oom = 0
+        #: reads of a trace that says which tier served each (``get`` records with ``tier``):
+        #: how many, how many the replay served from the same tier, the first few that differ
+        self.checked = {"reads": 0, "same": 0}
+        self.differ: list[tuple[float, str, str]] = []  # (trace time, server, replay)
 
     # -- clock -------------------------------------------------------------------------------------
 
@@ -122,19 +132,28 @@ class Simulator(SimLeases):
             self.index.add_tier(rec, self.dram.name)
             placed = True
         elif self.dram is not None and size <= self.dram.capacity:
-            placed = self.put_with_room(self.tiers.index(self.dram), rec) or placed
-        if not placed:
-            placed = any(
-                self.put_with_room(j, rec)
-                for j, t in enumerate(self.tiers)
-                if t is not self.dram and t is not self.gpu
-            )
-        if not placed:
-            self.index.remove(rec)
-            self.oom += 1
+            if self.room_marks:  # the recorded room maker's rounds make its room
+                self.roomq.place(rec, "put")
+                placed = True
+            else:
+                placed = self.put_with_room(self.tiers.index(self.dram), rec) or placed
+        if not placed and not self.place_below(rec):
             return False
         self.enforce()
         return True
+
+    def place_below(self, rec: ChunkRecord) -> bool:
+        """DRAM cannot take the chunk: the first lower tier that can (``_place_below``); an
+        OOM when none can."""
+        if any(
+            self.put_with_room(j, rec)
+            for j, t in enumerate(self.tiers)
+            if t is not self.dram and t is not self.gpu
+        ):
+            return True
+        self.index.remove(rec)
+        self.oom += 1
+        return False
 
     def reserve(self, ns: str, h: bytes, size: int) -> bool:
         """KV.RESERVE / a chunk of KV.MRESERVE: a DRAM slot now (making room), the chunk

@@ -81,6 +81,8 @@ class PrefetchModel:
     _same: dict[tuple[str, str, tuple[bytes, ...]], SimRequest] = field(default_factory=dict)
     _sessions: dict[tuple[str, bytes], SimRequest] = field(default_factory=dict)
     _slot: float = 0.0  # the pacing clock (prefetch-bandwidth)
+    #: the trace records when the server's workers started each chunk (``fetch``)
+    recorded: bool = False
 
     def __post_init__(self) -> None:
         self._workers = [0.0] * max(1, self.concurrency)
@@ -126,7 +128,11 @@ class PrefetchModel:
     # -- the workers -----------------------------------------------------------------------------
 
     def advance(self, t: float) -> None:
-        """Start every chunk a worker would start by time ``t``."""
+        """Start every chunk a worker would start by time ``t`` (none when the trace says when
+        the server's workers started each: :attr:`recorded`)."""
+        if self.recorded:
+            self._expire(t)
+            return
         while self._queue:
             free = self._workers[0]
             start = max(free, self._queue[0].submitted, self._slot if self.bandwidth > 0 else 0)
@@ -141,7 +147,43 @@ class PrefetchModel:
 
     def drain(self) -> None:
         """Run the queue to its end (the server finishes it before its counters are read)."""
+        if self.recorded:
+            for req in list(self._queue):
+                self._unqueue(req)
+                self._complete(req)
+            return
         self.advance(float("inf"))
+
+    def fetched(self, ns: str, h: bytes, target: str) -> bool:
+        """A recorded ``fetch``: a server's worker starts moving the chunk into ``target`` now
+        (room made, then the promotion, as ``fetch_one``); the moves follow the trace, not this
+        model's workers, whose timing only says when the chunk is ready."""
+        sim = self.sim
+        tier = sim.by_name.get(target)
+        key = ChunkKey(ns, h)
+        rec = sim.index.get(key)
+        if tier is None or rec is None or not rec.tiers or tier.name in rec.tiers:
+            self.counts["skipped"] += 1
+            return False
+        src = next((t for t in sim.tiers if t.name in rec.tiers and t is not tier), None)
+        if src is None:
+            self.counts["skipped"] += 1
+            return False
+        if sim.room_marks and tier is sim.dram:
+            sim.roomq.place(rec, "copy")  # now, or at the room maker's recorded rounds
+        elif sim._ensure(rec, tier) is None:
+            self.counts["skipped"] += 1
+            return False
+        sim.stamp += 1e-6
+        rec.last_access = sim.stamp
+        begin = max(heapq.heappop(self._workers), sim.now)
+        end = begin + self._duration(src, rec.size, begin)
+        heapq.heappush(self._workers, end)
+        self.ready[key] = (end, src.name)
+        self.counts["chunks"] += 1
+        self.counts["bytes"] += rec.size
+        sim.enforce()
+        return True
 
     def _take(self, start: float, width: int) -> tuple[SimRequest, list[ChunkRecord]] | None:
         """Up to ``width`` chunks of the oldest request that start together at ``start``."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvstrata.config import OPTIONS
 from kvstrata.sim.economics import Hardware, Model, load_seconds, recompute_seconds
 from kvstrata.sim.engine import MatchResult, Simulator
+from kvstrata.sim.roomq import CLIENT_OPS
 from kvstrata.sim.ttft import PrefillFit
 from kvstrata.sim.vplacement import LEASE_AHEAD
 from kvstrata.sim.vtiers import TierSpec
@@ -85,56 +86,86 @@ def with_lease_starts(events: list[Event]) -> list[Event]:
     return out
 
 
+def prepare(sim: Simulator, events: list[Event]) -> list[Event]:
+    """Set ``sim`` up for what a whole trace records (the server's demoter rounds, its prefetch
+    workers' starts) and return the events to :func:`apply`, lease starts added."""
+    if any(ev.op == "demote" for ev in events):
+        sim.demoter = "recorded"
+    if any(ev.op == "fetch" for ev in events):
+        sim.prefetcher.recorded = True
+    if any(ev.op == "room" for ev in events):
+        sim.room_marks = True
+    return with_lease_starts(events)
+
+
 def replay(sim: Simulator, events: Iterable[Event]) -> int:
     """Feed trace events to the simulator; the chunk operations done. A trace that carries the
     server's ``demote`` marks runs the simulated demoter at them (``sim.demoter``); pass a
     list, or set ``sim.demoter`` first when streaming."""
     if isinstance(events, list):
-        if any(ev.op == "demote" for ev in events):
-            sim.demoter = "recorded"
-        events = with_lease_starts(events)
+        events = prepare(sim, events)
     n = 0
     for ev in events:
-        sim.tick(ev.t)
-        op = ev.op
-        if op == "get":
-            sim.get(ev.ns, ev.hashes[0])
-            n += 1
-        elif op == "put":
-            sim.put(ev.ns, ev.hashes[0], ev.parent, ev.size, ev.tokens)
-            n += 1
-        elif op == "match":
-            sim.match(ev.ns, ev.hashes, ev.tokens, ev.prefetch)
-            n += len(ev.hashes)
-        elif op == "lease":
-            sim.lease(ev.ns, ev.hashes, ev.to, ev.lease)
-            n += len(ev.hashes)
-        elif op == LEASE_START:
-            sim.lease_start(ev.ns, ev.hashes, ev.to, ev.lease, ev.size)
-        elif op == "release":
-            sim.release(ev.lease)
-        elif op == "reserve":
-            sim.reserve(ev.ns, ev.hashes[0], ev.size)
-        elif op == "abort":
-            sim.abort(ev.ns, ev.hashes[0])
-        elif op == "demote":
-            sim.demote(ev.to)
-        elif op == "demoted":
-            sim.demoted()
-        elif op == "del":
-            sim.delete_key(ev.ns, ev.hashes[0])
-            n += 1
-        elif op == "session":
-            assert ev.session is not None
-            sim.session(ev.ns, ev.session, ev.hashes[0], ev.ttl or 3_600_000)
-            n += 1
-        elif ev.session is not None and not ev.hashes:
-            n += sim.prefetch_session(ev.ns, ev.session, ev.to, ev.deadline) + 1
-        else:
-            sim.prefetch_chain(ev.ns, ev.hashes, ev.to, ev.deadline, ev.session)
-            n += len(ev.hashes)
+        n += apply(sim, ev)
     sim.finish()
     return n
+
+
+def apply(sim: Simulator, ev: Event) -> int:
+    """One trace event; the chunk operations it did."""
+    op = ev.op
+    if sim.roomq.waiters and op in CLIENT_OPS:
+        sim.roomq.flush()  # (the client's previous command is done on the server)
+    sim.tick(ev.t)
+    if op == "get":
+        got = sim.get(ev.ns, ev.hashes[0]) or ""
+        if ev.tier is not None:  # the server said which tier served it: compare
+            sim.checked["reads"] += 1
+            if got == ev.tier:
+                sim.checked["same"] += 1
+            elif len(sim.differ) < 20:
+                sim.differ.append((ev.t, ev.tier, got))
+        return 1
+    if op == "put":
+        sim.put(ev.ns, ev.hashes[0], ev.parent, ev.size, ev.tokens)
+        return 1
+    if op == "match":
+        sim.match(ev.ns, ev.hashes, ev.tokens, ev.prefetch)
+        return len(ev.hashes)
+    if op == "lease":
+        sim.lease(ev.ns, ev.hashes, ev.to, ev.lease)
+        return len(ev.hashes)
+    if op == "del":
+        sim.delete_key(ev.ns, ev.hashes[0])
+        return 1
+    if op == "session":
+        assert ev.session is not None
+        sim.session(ev.ns, ev.session, ev.hashes[0], ev.ttl or 3_600_000)
+        return 1
+    if op == "prefetch":
+        if ev.session is not None and not ev.hashes:
+            return sim.prefetch_session(ev.ns, ev.session, ev.to, ev.deadline) + 1
+        sim.prefetch_chain(ev.ns, ev.hashes, ev.to, ev.deadline, ev.session)
+        return len(ev.hashes)
+    if op == LEASE_START:
+        sim.lease_start(ev.ns, ev.hashes, ev.to, ev.lease, ev.size)
+    elif op == "release":
+        sim.release(ev.lease)
+    elif op == "reserve":
+        sim.reserve(ev.ns, ev.hashes[0], ev.size)
+    elif op == "abort":
+        sim.abort(ev.ns, ev.hashes[0])
+    elif op == "demote":
+        sim.demote(ev.to)
+    elif op == "demoted":
+        sim.demoted()
+    elif op == "room":
+        sim.room(ev.to, ev.size)
+    elif op == "roomed":
+        sim.roomed()
+    elif op == "fetch":
+        sim.prefetcher.fetched(ev.ns, ev.hashes[0], ev.to or "dram")
+    return 0
 
 
 class Ticking:

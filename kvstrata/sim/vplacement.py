@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvstrata.sim.roomq import SimRoomQueue
 from kvstrata.sim.vtiers import VTier
 from kvstrata.store.index import ChunkIndex, ChunkRecord
 from kvstrata.store.lru import LruHeap
@@ -37,6 +38,9 @@ class SimPlacement:
     links: dict[str, int]
     demoter: str
     _round: tuple[int, list[ChunkRecord]] | None
+    _room: tuple[int, list[ChunkRecord]] | None
+    roomq: SimRoomQueue
+    room_marks: bool
 
     # -- index hook, links -----------------------------------------------------------------------
 
@@ -127,22 +131,50 @@ class SimPlacement:
         target = (tier.spec.policy.low or 0.0) * tier.capacity
         if tier.capacity <= 0 or tier.used <= target:
             return
+        self._round = (i, self._start_round(i, int(tier.used - target)))
+
+    def _start_round(self, i: int, need: int) -> list[ChunkRecord]:
+        """Victims adding up to ``need`` bytes, written below now; they stay in tier ``i``,
+        moving, until their round ends (:meth:`_end_round`)."""
+        tier = self.tiers[i]
         moving = []
-        for rec in pick_victims(self.heaps[tier.name], max(1, int(tier.used - target))):
+        for rec in pick_victims(self.heaps[tier.name], max(1, need)):
             if tier.name in rec.tiers and self._keep_below(rec, i):
                 rec.moving = True
                 moving.append(rec)
             elif rec.alive and tier.name in rec.tiers:
                 self._changed(rec, tier.name)
-        self._round = (i, moving)
+        return moving
+
+    def room(self, name: str | None, need: int) -> None:
+        """A recorded ``room`` mark: a round of the server's room maker (DRAM writers waiting)
+        starts, for ``need`` bytes: victims chosen from this simulator's tiers, as the
+        demoter's (:meth:`demote`); they leave at the ``roomed`` mark."""
+        self.roomed()
+        tier = self.by_name.get(name or "")
+        if tier is None or tier.spec.shared or tier.capacity <= 0:
+            return
+        self.roomq.serve()  # the waiters that fit first (``_serve_fitting``)
+        i = self.tiers.index(tier)
+        self._room = (i, self._start_round(i, need))
+
+    def roomed(self) -> None:
+        """The room maker's round ends: its victims leave (:meth:`_end_round`), and the
+        waiters that fit now are served."""
+        if self._room is not None:
+            room, self._room = self._room, None
+            self._end_round(*room)
+            self.roomq.serve()
 
     def demoted(self) -> None:
-        """The demoter's round ends (its ``demoted`` mark, or the next round's start): the
-        victims' copies leave, unless leased, read or given a child in the tier meanwhile."""
-        if self._round is None:
-            return
-        i, moving = self._round
-        self._round = None
+        """The demoter's round ends (its ``demoted`` mark, or the next round's start)."""
+        if self._round is not None:
+            round_, self._round = self._round, None
+            self._end_round(*round_)
+
+    def _end_round(self, i: int, moving: list[ChunkRecord]) -> None:
+        """A round's victims' copies leave, unless leased, read or given a child in the tier
+        meanwhile."""
         name = self.tiers[i].name
         for rec in moving:
             rec.moving = False

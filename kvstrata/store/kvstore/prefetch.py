@@ -183,6 +183,7 @@ class PrefetchPath:
         if rec is None or not rec.alive or target in rec.tiers:
             return 0
         state = self.state
+        state.trace("fetch", key.namespace, [key.hash], to=target)  # a worker starts it now
         if self.gpu is not None and target == self.gpu.gpu.name:
             ok = await self.gpu.ensure_gpu(rec, make_room=True)
         elif state.dram is not None and target == state.dram.name:

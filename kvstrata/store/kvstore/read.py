@@ -36,6 +36,7 @@ class Payload:
 
     view: memoryview
     release: Callable[[], None] | None = None
+    tier: str = ""  # the tier that served it (the trace's ``get`` records say so)
 
 
 class ReadPath(ReadLeases):
@@ -81,7 +82,7 @@ class ReadPath(ReadLeases):
             for tier in state.tiers:
                 state.counters[tier.name].misses += 1
             if state.tracer is not None:  # (the hot path builds nothing when not tracing)
-                state.trace("get", ns, (hash,))
+                state.trace("get", ns, (hash,), tier="")
             return None
         if rec.moving or dram.name not in rec.tiers:
             return NOT_NOW
@@ -96,14 +97,14 @@ class ReadPath(ReadLeases):
         counters.hits += 1
         counters.bytes_out += rec.size
         if state.tracer is not None:
-            state.trace("get", ns, (hash,))
-        return Payload(view, self._unpinner(rec))
+            state.trace("get", ns, (hash,), tier=dram.name)
+        return Payload(view, self._unpinner(rec), dram.name)
 
     async def get(self, ns: str, hash: bytes) -> Payload | None:
         """KV.GET (and each chunk of KV.MGET) that may need tier I/O."""
         payload = await self._get(ns, hash)
         if self.state.tracer is not None:  # after the lookup: an expiry it caused comes first
-            self.state.trace("get", ns, (hash,))
+            self.state.trace("get", ns, (hash,), tier=payload.tier if payload else "")
         return payload
 
     async def _get(self, ns: str, hash: bytes) -> Payload | None:
@@ -149,7 +150,7 @@ class ReadPath(ReadLeases):
                 state.pin(rec)
                 counters.hits += 1
                 counters.bytes_out += rec.size
-                return Payload(view, self._unpinner(rec))
+                return Payload(view, self._unpinner(rec), tier.name)
             payload = await self._read_through(rec, tier)
             if payload is not None:
                 counters.hits += 1
@@ -174,7 +175,7 @@ class ReadPath(ReadLeases):
                     if promoted:
                         view = dram.view(rec.key)  # before pinning: a raise leaks no pin
                         state.pin(rec)
-                        return Payload(view, self._unpinner(rec))
+                        return Payload(view, self._unpinner(rec), src.name)
                 finally:
                     state.end_move(rec)
                 if promoted is None:
@@ -182,7 +183,7 @@ class ReadPath(ReadLeases):
             data = await self.placement.read_copy(rec, src)
             if data is None or not rec.alive:
                 return None
-            return Payload(memoryview(data), None)
+            return Payload(memoryview(data), None, src.name)
         finally:
             state.unpin(rec)
 
