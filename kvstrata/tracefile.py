@@ -60,7 +60,7 @@ from typing import IO, Any
 
 OPS = (
     "put", "get", "match", "lease", "release", "session", "prefetch", "del", "demote", "demoted",
-    "reserve", "abort", "fetch", "room", "roomed",
+    "reserve", "abort", "fetch",
 )  # fmt: skip
 #: ops that name exactly one chunk (``hash``)
 ONE_HASH = ("put", "get", "session", "del", "reserve", "abort", "fetch")
@@ -119,7 +119,7 @@ def parse_event(obj: Any) -> Event:
         raise ValueError(f"{op} needs one hash")
     sid = obj.get("session")
     size = int(obj.get("size", 0))
-    if op in ("put", "reserve", "room") and size <= 0:
+    if op in ("put", "reserve") and size <= 0:
         raise ValueError(f"{op} needs a positive size")
     return Event(
         t=t,
@@ -156,15 +156,15 @@ def event_dict(ev: Event) -> dict[str, Any]:
     out: dict[str, Any] = {"t": round(ev.t, 6), "op": ev.op, "ns": ev.ns}
     if ev.op in ONE_HASH:
         out["hash"] = ev.hashes[0].hex()
-    elif ev.hashes or ev.op not in ("prefetch", "demote", "demoted", "release", "room", "roomed"):
+    elif ev.hashes or ev.op not in ("prefetch", "demote", "demoted", "release"):
         out["hashes"] = [h.hex() for h in ev.hashes]
     if ev.op == "put":
         out.update(parent=ev.parent.hex(), size=ev.size, tokens=ev.tokens)
-    elif ev.op in ("reserve", "room"):
+    elif ev.op == "reserve":
         out["size"] = ev.size
     if ev.session is not None:
         out["session"] = ev.session.decode("utf-8", "backslashreplace")
-    if ev.op in ("lease", "prefetch", "demote", "demoted", "fetch", "room", "roomed"):
+    if ev.op in ("lease", "prefetch", "demote", "demoted", "fetch"):
         out["to"] = ev.to
     if ev.op == "match":
         out["prefetch"] = ev.prefetch

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 from kvstrata.chunks import ChunkKey
 from kvstrata.sim.prefetch import PrefetchModel
-from kvstrata.sim.roomq import SimRoomQueue
 from kvstrata.sim.vleases import SimLeases
 from kvstrata.sim.vtiers import ORDER, TierSpec, VTier
 from kvstrata.store.index import ChunkIndex, ChunkRecord
@@ -85,11 +84,6 @@ class Simulator(SimLeases):
         self._reserved: dict[ChunkKey, int] = {}  # write-lease slots not committed yet
         #: the recorded demoter round in flight: (tier index, its victims, moving)
         self._round: tuple[int, list[ChunkRecord]] | None = None
-        #: the recorded room maker's round in flight (``room``/``roomed`` marks), the same
-        self._room: tuple[int, list[ChunkRecord]] | None = None
-        #: a trace with the room maker's marks: DRAM placements wait for its rounds
-        self.room_marks = False
-        self.roomq = SimRoomQueue(self)
         self.ops = 0
         self.oom = 0
         #: reads of a trace that says which tier served each (``get`` records with ``tier``):
@@ -132,11 +126,7 @@ class Simulator(SimLeases):
             self.index.add_tier(rec, self.dram.name)
             placed = True
         elif self.dram is not None and size <= self.dram.capacity:
-            if self.room_marks:  # the recorded room maker's rounds make its room
-                self.roomq.place(rec, "put")
-                placed = True
-            else:
-                placed = self.put_with_room(self.tiers.index(self.dram), rec) or placed
+            placed = self.put_with_room(self.tiers.index(self.dram), rec) or placed
         if not placed and not self.place_below(rec):
             return False
         self.enforce()

@@ -166,12 +166,7 @@ class PrefetchModel:
             self.counts["skipped"] += 1
             return False
         src = next((t for t in sim.tiers if t.name in rec.tiers and t is not tier), None)
-        if src is None:
-            self.counts["skipped"] += 1
-            return False
-        if sim.room_marks and tier is sim.dram:
-            sim.roomq.place(rec, "copy")  # now, or at the room maker's recorded rounds
-        elif sim._ensure(rec, tier) is None:
+        if src is None or sim._ensure(rec, tier) is None:
             self.counts["skipped"] += 1
             return False
         sim.stamp += 1e-6

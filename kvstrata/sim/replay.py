@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from kvstrata.config import OPTIONS
 from kvstrata.sim.economics import Hardware, Model, load_seconds, recompute_seconds
 from kvstrata.sim.engine import MatchResult, Simulator
-from kvstrata.sim.roomq import CLIENT_OPS
 from kvstrata.sim.ttft import PrefillFit
 from kvstrata.sim.vplacement import LEASE_AHEAD
 from kvstrata.sim.vtiers import TierSpec
@@ -93,8 +92,6 @@ def prepare(sim: Simulator, events: list[Event]) -> list[Event]:
         sim.demoter = "recorded"
     if any(ev.op == "fetch" for ev in events):
         sim.prefetcher.recorded = True
-    if any(ev.op == "room" for ev in events):
-        sim.room_marks = True
     return with_lease_starts(events)
 
 
@@ -114,8 +111,6 @@ def replay(sim: Simulator, events: Iterable[Event]) -> int:
 def apply(sim: Simulator, ev: Event) -> int:
     """One trace event; the chunk operations it did."""
     op = ev.op
-    if sim.roomq.waiters and op in CLIENT_OPS:
-        sim.roomq.flush()  # (the client's previous command is done on the server)
     sim.tick(ev.t)
     if op == "get":
         got = sim.get(ev.ns, ev.hashes[0]) or ""
@@ -159,10 +154,6 @@ def apply(sim: Simulator, ev: Event) -> int:
         sim.demote(ev.to)
     elif op == "demoted":
         sim.demoted()
-    elif op == "room":
-        sim.room(ev.to, ev.size)
-    elif op == "roomed":
-        sim.roomed()
     elif op == "fetch":
         sim.prefetcher.fetched(ev.ns, ev.hashes[0], ev.to or "dram")
     return 0

@@ -135,11 +135,6 @@ class SimLeases(SimPlacement):
         return [below[i : i + LEASE_AHEAD] for i in range(0, len(below), LEASE_AHEAD)]
 
     def _promote_group(self, group: Sequence[ChunkRecord], target: VTier) -> None:
-        if self.room_marks and target is self.dram:  # the recorded rounds make the room
-            for rec in group:
-                if rec.alive and rec.tiers and target.name not in rec.tiers:
-                    self.roomq.place(rec, "copy")
-            return
         self._room_for_group(group, target)
         for rec in group:
             if rec.alive and rec.tiers:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstrata.sim.roomq import SimRoomQueue
 from kvstrata.sim.vtiers import VTier
 from kvstrata.store.index import ChunkIndex, ChunkRecord
 from kvstrata.store.lru import LruHeap
@@ -38,9 +37,6 @@ class SimPlacement:
     links: dict[str, int]
     demoter: str
     _round: tuple[int, list[ChunkRecord]] | None
-    _room: tuple[int, list[ChunkRecord]] | None
-    roomq: SimRoomQueue
-    room_marks: bool
 
     # -- index hook, links -----------------------------------------------------------------------
 
@@ -145,26 +141,6 @@ class SimPlacement:
             elif rec.alive and tier.name in rec.tiers:
                 self._changed(rec, tier.name)
         return moving
-
-    def room(self, name: str | None, need: int) -> None:
-        """A recorded ``room`` mark: a round of the server's room maker (DRAM writers waiting)
-        starts, for ``need`` bytes: victims chosen from this simulator's tiers, as the
-        demoter's (:meth:`demote`); they leave at the ``roomed`` mark."""
-        self.roomed()
-        tier = self.by_name.get(name or "")
-        if tier is None or tier.spec.shared or tier.capacity <= 0:
-            return
-        self.roomq.serve()  # the waiters that fit first (``_serve_fitting``)
-        i = self.tiers.index(tier)
-        self._room = (i, self._start_round(i, need))
-
-    def roomed(self) -> None:
-        """The room maker's round ends: its victims leave (:meth:`_end_round`), and the
-        waiters that fit now are served."""
-        if self._room is not None:
-            room, self._room = self._room, None
-            self._end_round(*room)
-            self.roomq.serve()
 
     def demoted(self) -> None:
         """The demoter's round ends (its ``demoted`` mark, or the next round's start)."""

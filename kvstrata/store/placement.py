@@ -164,15 +164,8 @@ class Placement(Mover):
 
     async def evict_round(self, i: int, need: int) -> bool:
         """Move victims adding up to ``need`` bytes out of tier ``i`` at once; False when
-        none could leave. The room maker's rounds (``room``): when they start and end is in
-        the trace (``room``/``roomed``), as the demoter's are: an expiry or a read landing
-        while the victims are written back changes what the next round must do."""
-        name = self.state.tiers[i].name
-        self.state.trace("room", "", (), to=name, size=max(1, need))
-        try:
-            return await self._evict_round(i, need)
-        finally:
-            self.state.trace("roomed", "", (), to=name)
+        none could leave."""
+        return await self._evict_round(i, need)
 
     async def _evict_round(self, i: int, need: int) -> bool:
         victims = self.pick(i, max(1, need))
