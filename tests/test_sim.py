@@ -134,6 +134,9 @@ def test_trace_round_trip_and_bad_line(tmp_path: Path, capsys: pytest.CaptureFix
         Event(0.0, "put", NS, (b"\x01",), b"", 4096, 256),
         Event(0.1, "match", NS, (b"\x01", b"\x02"), tokens=512),
         Event(0.2, "get", NS, (b"\x01",)),
+        Event(0.21, "get", NS, (b"\x01",), tier="nvme"),
+        Event(0.22, "get", NS, (b"\x02",), tier=""),
+        Event(0.23, "fetch", NS, (b"\x01",), to="dram"),
         Event(0.3, "session", NS, (b"\x01",), session=b"u1"),
         Event(0.4, "prefetch", NS, (), session=b"u1"),
         Event(0.5, "lease", NS, (b"\x01",), to="dram"),
@@ -146,7 +149,7 @@ def test_trace_round_trip_and_bad_line(tmp_path: Path, capsys: pytest.CaptureFix
         f.write('{"op": "put", "ns": "m", "hash": "zz"}\n')
     rc = cli_main(["simulate", "--trace", str(path), "--dram", "1MiB", "--nvme", "4MiB"])
     err = capsys.readouterr().err
-    assert rc == 2 and "t.jsonl:7" in err and "Traceback" not in err
+    assert rc == 2 and "t.jsonl:10" in err and "Traceback" not in err
 
 
 def test_workload_is_deterministic_and_shares_prefixes(tmp_path: Path) -> None:
@@ -302,11 +305,14 @@ def test_server_records_trace_without_payloads(make_server, tmp_path: Path) -> N
     assert events[6].lease and events[7].lease == events[6].lease
     assert events[8].session == b"u1" and events[9].hashes == (b"\x01",)  # the session's chain
     assert events[10].to == "dram"
+    # each read says which tier served it ("": a miss), so a replay can check itself per read
+    assert [e.tier for e in events if e.op == "get"] == ["dram", "dram", ""]
     sim = _sim(dram=64 << 20)
     from kvstrata.sim.replay import replay
 
     replay(sim, events)
     assert sim.by_name["dram"].counters.hits == 3  # GET, MGET's first hash, LEASE
+    assert sim.checked == {"reads": 3, "same": 3} and not sim.differ
 
 
 def test_trace_file_is_a_config_key() -> None:

@@ -250,3 +250,25 @@ def test_a_lease_replayed_from_its_start_sees_the_writes_beside_it(tmp_path: Pat
     for sim in (with_start, without):
         nvme, dram = sim.by_name["nvme"].counters, sim.by_name["dram"].counters
         assert (nvme.hits, dram.misses) == (8, 8)  # found in NVMe when the lease started
+
+
+def test_recorded_fetches_move_what_the_servers_workers_moved_when_they_did() -> None:
+    """A trace with ``fetch`` records (a server's worker starting a chunk) is replayed by
+    them, not by the model's workers: the chunks move at their records, in their order, and
+    those the server did not move (its request ended early) stay where they were: a read of
+    one is served from NVMe, as the server recorded."""
+    sim = _sim(workers=1)
+    hashes = _cold(sim, "f", 4)
+    events = [
+        Event(1.0, "prefetch", NS, tuple(hashes), to="dram"),
+        Event(1.0, "fetch", NS, (hashes[0],), to="dram"),
+        Event(1.5, "fetch", NS, (hashes[1],), to="dram"),
+        Event(2.0, "get", NS, (hashes[2],), tier="nvme"),
+    ]
+    replay(sim, events)
+    assert [_where(sim, h) for h in hashes[:2]] == [{"dram", "nvme"}] * 2
+    assert _where(sim, hashes[3]) == {"nvme"}  # (hashes[2] was promoted by its read)
+    assert sim.prefetch["chunks"] == 2 and sim.checked == {"reads": 1, "same": 1}
+    model = _sim(workers=1)  # the same without fetch records: the model moves all four
+    replay(model, [Event(1.0, "prefetch", NS, tuple(_cold(model, "f", 4)), to="dram")])
+    assert model.prefetch["chunks"] == 4

@@ -247,6 +247,12 @@ def table(rep: dict[str, Any]) -> str:
         f"cancelled {pf['cancelled']})"
     )
     lines.append("links (GB): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rep["links"].items()))
+    checked = rep.get("reads_checked") or {}
+    if checked.get("reads"):
+        lines.append(
+            f"replayed reads served from the tier the server recorded: {checked['same']} of "
+            f"{checked['reads']} ({100 * checked['same'] / checked['reads']:.1f} %)"
+        )
     return "\n".join(lines)
 
 

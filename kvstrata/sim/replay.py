@@ -253,6 +253,8 @@ def report(sim: Simulator, plan: Plan, wall: float, chunk_ops: int) -> dict:
         "links": dict(sim.links),
         "prefetch": dict(sim.prefetch),
         "oom": sim.oom,
+        # a trace whose get records say which tier served each: how many the replay agrees on
+        "reads_checked": dict(sim.checked),
         "requests": len(sim.requests),
         "tokens": {"prompt": total, "cached": cached},
         "token_hit_ratio": round(cached / total, 4) if total else 0.0,
