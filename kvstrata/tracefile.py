@@ -33,11 +33,13 @@ The server records through the store (``StoreState.trace``), from the paths ever
 - ``put``: a chunk's publication (KV.PUT, KV.COMMIT of KV.RESERVE and of KV.MRESERVE: committed
   chunks only, in commit order), written when the tiers start taking it (a write-through lands
   in NVMe before the chunk is visible, and the demoter may act on it meanwhile);
-- ``get``: each chunk read (KV.GET, every chunk of KV.MGET), after its lookup;
+- ``get``: each chunk read (KV.GET, every chunk of KV.MGET), after its lookup, with the
+  ``tier`` that served it (``""``: a miss), so a replay can check itself read by read;
 - ``match``: the index match (KV.MATCH, KV.MATCHTOKENS);
 - ``lease``/``release``: read leases and their end (KV.RELEASE, expiry, a closed connection);
 - ``session``; ``prefetch``: every prefetch (KV.PREFETCH, of a session, KV.MATCH PREFETCH) with
-  its chain resolved;
+  its chain resolved; ``fetch``: a prefetch worker starts moving one of its chunks (a replay
+  moves them there, not by its own model of the workers);
 - ``del``: every deletion of a live chunk (KV.DEL, DEL, expiry by TTL, FLUSHALL, a replacing
   PUT, a failed placement).
 

@@ -317,3 +317,25 @@ def test_server_records_trace_without_payloads(make_server, tmp_path: Path) -> N
 
 def test_trace_file_is_a_config_key() -> None:
     assert any(o.name == "trace-file" and o.default == "" for o in OPTIONS)
+
+
+def test_cli_says_how_many_replayed_reads_agree_with_the_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``get`` records that say where the server served each read: the replay reports how
+    many it served from the same tier (here one agrees, one does not: the server recorded an
+    NVMe hit for a chunk the replay holds in DRAM)."""
+    events = [
+        Event(0.0, "put", NS, (b"\x01",), b"", 4096, 256),
+        Event(0.1, "get", NS, (b"\x01",), tier="dram"),
+        Event(0.2, "get", NS, (b"\x01",), tier="nvme"),
+        Event(0.3, "get", NS, (b"\x02",), tier=""),
+    ]
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        write_trace(events, f)
+    argv = ["simulate", "--trace", str(path), "--dram", "1MiB", "--nvme", "4MiB"]
+    assert cli_main(argv) == 0
+    assert "served from the tier the server recorded: 2 of 3 (66.7 %)" in capsys.readouterr().out
+    assert cli_main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reads_checked"] == {"reads": 3, "same": 2}

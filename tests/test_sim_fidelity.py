@@ -66,6 +66,8 @@ def compare(stats: dict[str, Any], sim: Simulator, tiers: list[str]) -> dict[str
     server, model = simshapes.shares(stats, tiers), simshapes.shares(simulated, tiers)
     gaps = {k: abs(server[k] - model[k]) for k in server}
     assert max(gaps.values()) <= POINTS, (server, model, stats, simulated)
+    checked = sim.checked
+    assert checked["reads"] > 0 and checked["same"] >= SAME_READS * checked["reads"], sim.differ
     return gaps
 
 
@@ -153,13 +155,17 @@ def test_issue_25_case_agrees(tmp_path: Path) -> None:
             assert abs(got - want) <= 1, (tier, counter, want, got, stats, sim.by_name)
 
 
-#: the family: seeds drawn once, each shape as ``simshapes.generate`` makes it. Left out, and
-#: why: the shapes with TTLs. Seeds 2 and 3 (write-back, TTLs, prefetch) agree within 0.0–2
-#: points in most runs and are 2.2–2.9 points apart in some; seed 6 (write-through, TTLs,
-#: leases, deletes) was 4.1 points apart in four runs of six. TTL expiry is not modelled
-#: closely enough yet (an expiry landing between a write-back and its round's end; the
-#: sweeper's timing): a known gap, in issue 25's closing note and docs/simulate.md.
-SEEDS = list(range(11))
+#: the family: seeds drawn once, each shape as ``simshapes.generate`` makes it (seed 6 has
+#: TTLs, prefetch, leases and deletes: an expiry lands among a prefetch's chunk moves, which the
+#: replay now plays at the server's recorded ``fetch`` starts; it agrees exactly). Left out, and
+#: why: seeds 2 and 3 (write-back NVMe, TTLs, prefetch) agree within 0.4–1.3 points in most runs
+#: and 3.0–3.4 apart in about one of four: an expiry changes which NVMe victims a DRAM round's
+#: concurrent write-backs pick (the server's write-backs make NVMe room side by side, the replay
+#: one after the other), a known gap in issue 25's closing note and docs/simulate.md.
+SEEDS = [0, 1, 4, 5, 6, 7, 8, 9, 10]
+#: the share of replayed reads that must be served from the tier the server recorded for each
+#: (``get`` records carry it): the per-read check behind the per-tier shares
+SAME_READS = 0.95
 
 
 def _run_shape(
