@@ -37,6 +37,7 @@ The server records through the store (``StoreState.trace``), from the paths ever
   ``tier`` that served it (``""``: a miss), so a replay can check itself read by read;
 - ``match``: the index match (KV.MATCH, KV.MATCHTOKENS);
 - ``lease``/``release``: read leases and their end (KV.RELEASE, expiry, a closed connection);
+  a granted lease says which tier each chunk it leased was a read of (``found``);
 - ``session``; ``prefetch``: every prefetch (KV.PREFETCH, of a session, KV.MATCH PREFETCH) with
   its chain resolved; ``fetch``: a prefetch worker starts moving one of its chunks (a replay
   moves them there, not by its own model of the workers);
@@ -89,6 +90,7 @@ class Event:
     lease: str = ""  # lease, release: the lease id ("" : no lease was granted)
     since: float = 0.0  # lease: seconds from the lease's start (its promotions) to ``t``
     tier: str | None = None  # get: the tier that served it ("": a miss; None: not recorded)
+    found: tuple[str, ...] = ()  # lease: the tier each leased chunk was a read of
 
 
 def _hex(value: Any, what: str) -> bytes:
@@ -139,6 +141,7 @@ def parse_event(obj: Any) -> Event:
         lease=str(obj.get("lease", "")),
         since=max(0.0, float(obj.get("since", 0.0))),
         tier=None if obj.get("tier") is None else str(obj["tier"]),
+        found=tuple(str(t) for t in obj.get("found") or ()),
     )
 
 
@@ -182,6 +185,8 @@ def event_dict(ev: Event) -> dict[str, Any]:
         out["since"] = round(ev.since, 6)
     if ev.tier is not None:
         out["tier"] = ev.tier
+    if ev.found:
+        out["found"] = list(ev.found)
     return out
 
 

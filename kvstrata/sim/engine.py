@@ -75,6 +75,7 @@ class Simulator(SimLeases):
             self, prefetch_concurrency, prefetch_queue, float(prefetch_bandwidth)
         )
         self._leases: dict[str, list[ChunkRecord]] = {}
+        self.counted: list[str] = []
         #: leases started, not granted yet: where their chunks were, promotions left to do
         self._begun: dict[str, tuple[dict[ChunkKey, VTier], list[list[ChunkRecord]]]] = {}
         #: when the demoter runs: "immediate" (after every command that may need it, as a

@@ -28,6 +28,8 @@ class SimLeases(SimPlacement):
     stamp: float
     prefetcher: PrefetchModel
     _leases: dict[str, list[ChunkRecord]]
+    #: the tier each chunk of the last lease was counted a read of
+    counted: list[str]
     #: leases started, not granted yet: where their chunks were, promotions left to do
     _begun: dict[str, tuple[dict[ChunkKey, VTier], list[list[ChunkRecord]]]]
 
@@ -50,6 +52,7 @@ class SimLeases(SimPlacement):
         for group in groups:
             self._promote_group(group, target)
         held: list[ChunkRecord] = []
+        self.counted = []
         n = 0
         for h in hashes:
             rec = self.index.get(ChunkKey(ns, h))
@@ -62,6 +65,7 @@ class SimLeases(SimPlacement):
             rec.hits += 1
             self._arrived(rec)
             self._count_read(found.get(rec.key) or where)
+            self.counted.append((found.get(rec.key) or where).name)
             self._link(where.name, "engine", rec.size)
             n += 1
             if lease_id:

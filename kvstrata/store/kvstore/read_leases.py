@@ -83,6 +83,7 @@ class ReadLeases:
         await self._promote_ahead(ns, hashes, target)
         records: list[ChunkRecord] = []
         handles: list[Handle] = []
+        counted: list[str] = []  # the tier each leased chunk is a read of (for the trace)
         try:
             for h in hashes:
                 rec = state.live(ChunkKey(ns, h))
@@ -97,7 +98,8 @@ class ReadLeases:
                 rec.hits += 1
                 records.append(rec)
                 handles.append(handle)
-                self._count_read(found.get(rec.key) or handle_tier(state, handle))
+                counted.append(found.get(rec.key) or handle_tier(state, handle))
+                self._count_read(counted[-1])
         except BaseException:
             self._unpin_all(records)
             raise
@@ -114,7 +116,9 @@ class ReadLeases:
         )
         state.leases.add(lease)
         since = time.monotonic() - began  # its promotions ran beside other commands
-        state.trace("lease", ns, hashes, to=target, lease=lease.id, since=since)
+        state.trace(
+            "lease", ns, hashes, to=target, lease=lease.id, since=since, found=tuple(counted)
+        )
         return lease
 
     def _found_in(self, ns: str, hashes: Sequence[bytes], target: str) -> dict[ChunkKey, str]:
