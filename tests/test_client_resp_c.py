@@ -143,3 +143,26 @@ def test_a_caller_buffer_still_receives_its_bulk_in_place(parser: str) -> None:
     reader = ReplyReader(on_reply, lambda: pending[0] if pending else None)
     reader.feed(b"$8\r\n12345678\r\n:5\r\n")
     assert bytes(out) == b"12345678" and isinstance(got[0], memoryview) and got[1] == 5
+
+
+def test_mreserve_grant_fast_path_matches_parse_handle() -> None:
+    """``commands._mreserve`` reads the common handle shape directly: the same grant as
+    ``parse_handle`` for it and for the other shapes (a missing or null instance, bytes
+    numbers), and the states of the chunks without a slot."""
+    from kvstrata.clients import commands
+    from kvstrata.clients.results import parse_handle
+
+    entries: list[Any] = [
+        [b"kvstrata-1", 0, 4096, b"abc"],
+        Simple(b"exists"),
+        [b"kvstrata-1", 4096, 8192],
+        [b"kvstrata-2", b"12288", b"4096", None],
+        Simple(b"busy"),
+        [b"kvstrata-1", 16384, 4096, b""],
+    ]
+    grant = commands._mreserve([b"lease-1", entries])
+    assert grant.states == ("reserved", "exists", "reserved", "reserved", "busy", "reserved")
+    want = [None if isinstance(e, Simple) else parse_handle(e) for e in entries]
+    assert list(grant.handles) == want
+    assert grant.handles[0] is not None and grant.handles[0].instance == "abc"
+    assert grant.handles[3] is not None and grant.handles[3].offset == 12288
