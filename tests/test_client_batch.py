@@ -137,6 +137,47 @@ def test_pipelined_put_chain_reports_existing_chunks_and_whole_existing_batches(
         assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
 
 
+def test_async_put_chain_pipelines_and_aborts_the_reservation_of_a_failed_commit(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The async client does as the blocking one: batches of 2 chunks, each commit sent with
+    the next reservation (stored chunks and a whole stored batch reported as such, exact
+    bytes, no lease left); a refused commit aborts the reservation sent with it."""
+    import kvstrata.clients.aio as aio_mod
+    from kvstrata.clients.aio_leases import AsyncWriteBatch
+
+    monkeypatch.setattr(aio_mod, "batch_slices", lambda sizes: batch_slices(sizes, 2))
+    hs = hashes(8, b"q")
+
+    async def main() -> None:
+        async with AsyncClient(port=server.port) as kv:
+            for i in (2, 4, 5):
+                assert await kv.put(NS, hs[i], hs[i - 1], payload(i))
+            states = await kv.put_chain(NS, hs, [payload(i) for i in range(8)])
+            want = ["stored", "stored", "exists", "stored", "exists", "exists", "stored"]
+            assert states == [*want, "stored"]
+            assert await kv.mget(NS, hs) == [payload(i) for i in range(8)]
+            real = AsyncWriteBatch.commit_args
+
+            def bad_digests(self: AsyncWriteBatch, indexes: Any) -> Any:
+                named, digests = real(self, indexes)
+                return named, tuple(d[:15] for d in digests)
+
+            monkeypatch.setattr(AsyncWriteBatch, "commit_args", bad_digests)
+            more = hashes(4, b"r")
+            with pytest.raises(Exception, match="DIGEST"):
+                await kv.put_chain(NS, more, [payload(i) for i in range(4)])
+            monkeypatch.setattr(AsyncWriteBatch, "commit_args", real)
+            async with AsyncClient(port=server.port) as other:
+                batch = await other.reserve_chain(NS, more[1], more[2:], [4096, 4096])
+                assert batch.states == ("reserved", "reserved")  # the lease was aborted
+                await batch.abort()
+
+    asyncio.run(main())
+    # the refused batch's own lease ends with its connection
+    assert wait_for(lambda: redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0)
+
+
 def test_pipelined_reservation_refused_is_made_again_and_halved(
     make_server: Callable[..., RunningServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
