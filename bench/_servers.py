@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -107,6 +108,19 @@ def kvstrata_server(*extra: str, checkout: str | None = None) -> Iterator[Proc]:
         proc.terminate()
         proc.wait()
         shutil.rmtree(data, ignore_errors=True)
+
+
+def wait_warmed(kv: Any, timeout: float = 120) -> float:
+    """Until kvstrata's arena has warmed (``INFO tiers`` no longer says ``dram_warming:1``;
+    the server faults its pages in on a worker thread after it is ready, which takes CPU and
+    memory bandwidth from whatever is measured meanwhile); returns the seconds waited. ``kv``:
+    a blocking :class:`kvstrata.clients.Client`."""
+    started = time.monotonic()
+    while b"dram_warming:1" in bytes(kv.execute("INFO", "tiers")):
+        if time.monotonic() - started > timeout:
+            raise RuntimeError("kvstrata's arena did not warm")
+        time.sleep(0.05)  # a poll of the server, not a test's synchronisation
+    return time.monotonic() - started
 
 
 def timed(fn: Callable[[], object], rounds: int) -> float:

@@ -22,9 +22,10 @@ Contenders, alternated round by round (the order rotates), medians of GB/s per c
 kvstrata checksums each chunk (integrity, DESIGN.md); LMCache does not. Its puts fill the slots
 with ``write``, which copies and checksums in one pass and sends the digest with the commit
 (issue 31); "hashed" is the same batch put filled through array views, the server hashing each
-slot at commit (the route before issue 31). Both shared
-regions are touched before the timed rounds. The MP server needs a few packages that LMCache's
-plugin venv (``scripts/engines/lmcache.sh``) leaves out; an overlay venv adds them::
+slot at commit (the route before issue 31). Both shared regions are touched before the timed
+rounds (kvstrata's: the rounds start once the server's background warm-up of its arena is over,
+``INFO tiers`` ``dram_warming:0``). The MP server needs a few packages that LMCache's plugin venv
+(``scripts/engines/lmcache.sh``) leaves out; an overlay venv adds them::
 
     python3 -m venv ~/.cache/kvstrata/venvs/lmcache-0.5.6-mp
     echo ~/.cache/kvstrata/venvs/lmcache-0.5.6/lib/python3.11/site-packages \\
@@ -54,7 +55,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _servers import free_port, kvstrata_server
+from _servers import free_port, kvstrata_server, wait_warmed
 
 from kvstrata.clients import Client
 from kvstrata.clients.leases import PublishGroups
@@ -223,6 +224,7 @@ def main() -> None:
     try:
         flags = ("--dram-capacity", "1GiB", "--nvme-capacity", "0")
         with kvstrata_server(*flags) as srv, Client(port=srv.port) as kv:
+            wait_warmed(kv)  # the arena's background warm-up would compete with the rounds
             for mib, n in plan:
                 g = measure(mib, n, kv, lmc, args.rounds, args.lmcache_torch_copy)
                 rows.append((mib, n, g))

@@ -85,26 +85,155 @@ def test_put_chain_cuts_long_chains_and_links_them(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With batches of at most 3 chunks, a chain of 8 goes in three KV.MRESERVE; the links
-    cross batch borders and the parent of the first chunk is kept."""
+    cross batch borders and the parent of the first chunk is kept. Each batch's KV.COMMIT goes
+    in one write with the next batch's KV.MRESERVE: 4 round trips, not 6."""
     import kvstrata.clients.sync as sync_mod
+    from kvstrata.clients.connection import SyncConnection
 
     monkeypatch.setattr(sync_mod, "batch_slices", lambda sizes: batch_slices(sizes, 3))
-    sent: list[int] = []
+    trips: list[list[tuple[str, int]]] = []
+    real = SyncConnection.pipeline
+
+    def counting(self: SyncConnection, commands: Any, outs: Any = None) -> list[Any]:
+        trips.append([(str(c[0]), int(c[3]) if c[0] == "KV.MRESERVE" else 0) for c in commands])
+        return real(self, commands, outs)
+
     with Client(port=server.port) as kv:
-        real = kv.reserve_chain
-
-        def counting(*args: Any, **kwargs: Any) -> Any:
-            sent.append(len(args[2]))
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(kv, "reserve_chain", counting)
         kv.put(NS, b"root", None, b"r")
         hs = hashes(8)
         data = [np.full(1000 + i, i, np.uint8) for i in range(8)]
+        monkeypatch.setattr(SyncConnection, "pipeline", counting)
         assert kv.put_chain(NS, hs, data, parent=b"root", tokens=16) == ["stored"] * 8
-        assert sent == [3, 3, 2]
+        monkeypatch.setattr(SyncConnection, "pipeline", real)
+        trips = [t for t in trips if t[0][0] != "KV.REGIONS"]
+        assert trips == [
+            [("KV.MRESERVE", 3)],
+            [("KV.COMMIT", 0), ("KV.MRESERVE", 3)],
+            [("KV.COMMIT", 0), ("KV.MRESERVE", 2)],
+            [("KV.COMMIT", 0)],
+        ]
         assert kv.match(NS, [b"root", *hs]) == 9
         assert kv.mget(NS, hs) == [d.tobytes() for d in data]
+
+
+def test_pipelined_put_chain_reports_existing_chunks_and_whole_existing_batches(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches of 2: the second one (reserved with the first's commit) holds a stored chunk,
+    the third is stored whole (no lease: nothing to commit, the fourth is reserved on its
+    own); every state is right and the bytes read back exactly, no lease left."""
+    import kvstrata.clients.sync as sync_mod
+
+    monkeypatch.setattr(sync_mod, "batch_slices", lambda sizes: batch_slices(sizes, 2))
+    hs = hashes(8)
+    with Client(port=server.port) as kv:
+        for i in (2, 4, 5):
+            assert kv.put(NS, hs[i], hs[i - 1], payload(i))
+        states = kv.put_chain(NS, hs, [payload(i) for i in range(8)])
+        want = ["stored", "stored", "exists", "stored", "exists", "exists", "stored", "stored"]
+        assert states == want
+        assert kv.mget(NS, hs) == [payload(i) for i in range(8)]
+        assert kv.match(NS, hs) == 8
+        assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
+
+
+def test_async_put_chain_pipelines_and_aborts_the_reservation_of_a_failed_commit(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The async client does as the blocking one: batches of 2 chunks, each commit sent with
+    the next reservation (stored chunks and a whole stored batch reported as such, exact
+    bytes, no lease left); a refused commit aborts the reservation sent with it."""
+    import kvstrata.clients.aio as aio_mod
+    from kvstrata.clients.aio_leases import AsyncWriteBatch
+
+    monkeypatch.setattr(aio_mod, "batch_slices", lambda sizes: batch_slices(sizes, 2))
+    hs = hashes(8, b"q")
+
+    async def main() -> None:
+        async with AsyncClient(port=server.port) as kv:
+            for i in (2, 4, 5):
+                assert await kv.put(NS, hs[i], hs[i - 1], payload(i))
+            states = await kv.put_chain(NS, hs, [payload(i) for i in range(8)])
+            want = ["stored", "stored", "exists", "stored", "exists", "exists", "stored"]
+            assert states == [*want, "stored"]
+            assert await kv.mget(NS, hs) == [payload(i) for i in range(8)]
+            real = AsyncWriteBatch.commit_args
+
+            def bad_digests(self: AsyncWriteBatch, indexes: Any) -> Any:
+                named, digests = real(self, indexes)
+                return named, tuple(d[:15] for d in digests)
+
+            monkeypatch.setattr(AsyncWriteBatch, "commit_args", bad_digests)
+            more = hashes(4, b"r")
+            with pytest.raises(Exception, match="DIGEST"):
+                await kv.put_chain(NS, more, [payload(i) for i in range(4)])
+            monkeypatch.setattr(AsyncWriteBatch, "commit_args", real)
+            async with AsyncClient(port=server.port) as other:
+                batch = await other.reserve_chain(NS, more[1], more[2:], [4096, 4096])
+                assert batch.states == ("reserved", "reserved")  # the lease was aborted
+                await batch.abort()
+
+    asyncio.run(main())
+    # the refused batch's own lease ends with its connection
+    assert wait_for(lambda: redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0)
+
+
+def test_pipelined_reservation_refused_is_made_again_and_halved(
+    make_server: Callable[..., RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second batch (3 MiB) goes with the first's commit and is refused (-LEASELIMIT on a
+    4 MiB arena, nothing reserved): put_chain reserves it again on its own, halving it as
+    before, and stores the chain exactly."""
+    import kvstrata.clients.sync as sync_mod
+
+    monkeypatch.setattr(sync_mod, "batch_slices", lambda sizes: [slice(0, 1), slice(1, 4)])
+    from kvstrata.clients.connection import SyncConnection
+
+    srv = make_server(dram_capacity="4MiB", nvme_capacity="64MiB")
+    data = [bytes([i + 1]) * (1 << 20) for i in range(4)]
+    replies: list[list[str]] = []
+    real = SyncConnection.pipeline
+
+    def seen(self: SyncConnection, commands: Any, outs: Any = None) -> list[Any]:
+        got = real(self, commands, outs)
+        replies.append([f"{c[0]} {type(r).__name__}" for c, r in zip(commands, got, strict=True)])
+        return got
+
+    monkeypatch.setattr(SyncConnection, "pipeline", seen)
+    with Client(port=srv.port) as kv:
+        assert kv.put_chain(NS, hashes(4), data, tokens=16) == ["stored"] * 4
+        assert ["KV.COMMIT Simple", "KV.MRESERVE LeaseLimitError"] in replies
+        assert kv.match(NS, hashes(4)) == 4
+        assert kv.mget(NS, hashes(4)) == data
+        assert redis.Redis(port=srv.port).info("tiers")["kv_leases"] == 0
+
+
+def test_a_failed_commit_aborts_the_reservation_sent_with_it(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first batch's KV.COMMIT is refused (a malformed digest: the server touches no
+    lease); the second batch, reserved in the same write, is aborted before the error is
+    raised: its chunks are free for another client at once, nothing of it is stored."""
+    import kvstrata.clients.sync as sync_mod
+    from kvstrata.clients.sync_leases import WriteBatch
+
+    monkeypatch.setattr(sync_mod, "batch_slices", lambda sizes: batch_slices(sizes, 2))
+    real = WriteBatch.commit_args
+
+    def bad_digests(self: WriteBatch, indexes: Any) -> Any:
+        named, digests = real(self, indexes)
+        return named, tuple(d[:15] for d in digests)
+
+    monkeypatch.setattr(WriteBatch, "commit_args", bad_digests)
+    hs = hashes(4)
+    with Client(port=server.port) as kv, Client(port=server.port) as other:
+        with pytest.raises(Exception, match="DIGEST"):
+            kv.put_chain(NS, hs, [payload(i) for i in range(4)])
+        monkeypatch.setattr(WriteBatch, "commit_args", real)
+        assert kv.match(NS, hs) == 0
+        with other.reserve_chain(NS, hs[1], hs[2:], [4096, 4096]) as batch:
+            assert batch.states == ("reserved", "reserved")  # not "busy": the lease is gone
+            batch.abort()
 
 
 def test_put_chain_halves_a_batch_the_servers_per_client_reserve_limit_refuses(

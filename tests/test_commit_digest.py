@@ -10,7 +10,7 @@ rebuilds only verified chunks). Real server on port 0, real client, real files.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -61,6 +61,36 @@ def test_copy_checksum_compiled_and_python_twin_match_xxhash() -> None:
     assert copysum_mod.COMPILED  # setup.py builds it here: the fast path is what is measured
     with pytest.raises(ValueError, match="do not fill"):
         copysum_mod.copy_checksum(memoryview(bytearray(4)), b"12345")
+
+
+@pytest.fixture(params=["avx2", "sse2"])
+def vector_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The compiled copy's AVX2 loop (where the CPU has it) and its SSE2 one."""
+    from kvstrata.clients import _copysum  # type: ignore[attr-defined]
+
+    was = _copysum._use_avx2(request.param == "avx2")
+    yield
+    _copysum._use_avx2(was)
+
+
+@pytest.mark.usefixtures("vector_loop")
+@pytest.mark.parametrize("src_off,dst_off", [(0, 0), (16, 0), (0, 16), (1, 7), (33, 64)])
+def test_copy_checksum_at_every_alignment_and_both_store_kinds(src_off: int, dst_off: int) -> None:
+    """The compiled copy aligns the destination and loads the source unaligned, and streams
+    buffers from 512 KiB up (hashing the source then): every size around its block (64 KiB),
+    its vector widths and that threshold, at odd offsets on either side, gives the bytes and
+    the digest of xxhash and of the Python twin, and writes nothing outside the slot."""
+    for n in (1, 31, 32, 127, 129, 65536 - 1, 65536 + 33, 512 * 1024 - 1, 512 * 1024,
+              512 * 1024 + 97, 2 * 1024 * 1024 + 5):  # fmt: skip
+        data = content(n + 3, n)
+        src = bytearray(src_off + n)
+        src[src_off:] = data
+        for fn in (copysum_mod.copy_checksum, copysum_mod._py_copy_checksum):
+            dst = bytearray(b"\xaa" * (dst_off + n + 64))
+            digest = fn(memoryview(dst)[dst_off : dst_off + n], memoryview(src)[src_off:])
+            assert digest == xxhash.xxh3_128_digest(data), (fn, n)
+            assert dst[dst_off : dst_off + n] == data
+            assert dst[:dst_off] == b"\xaa" * dst_off and dst[dst_off + n :] == b"\xaa" * 64
 
 
 def test_write_sends_digests_the_server_keeps_them_unverified_until_demotion(

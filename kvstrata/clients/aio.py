@@ -32,7 +32,7 @@ from kvstrata.clients.leases import batch_slices, put_states
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
-from kvstrata.clients.results import Handle, LeaseId, RegionInfo
+from kvstrata.clients.results import BatchGrant, Handle, LeaseId, RegionInfo
 from kvstrata.protocol.errors import LeaseError, LeaseLimitError, LoadingError, RespError
 
 __all__ = [
@@ -57,6 +57,22 @@ def _command(
         return await self._run(build(*args, **kwargs))
 
     return cmd.method_like(build, method)
+
+
+#: the next batch of a chain, reserved with the commit of one (``put_chain``): its hashes,
+#: sizes, parent and tokens
+_Next = tuple[Sequence[HashLike], Sequence[int], HashLike, int]
+
+
+async def _fill(
+    batch: AsyncWriteBatch, srcs: Sequence[Any], nxt: _Next | None
+) -> tuple[list[str], AsyncWriteBatch | None]:
+    """Copy ``srcs`` into the slots, then commit with the reservation of ``nxt`` (see
+    ``sync._fill``)."""
+    for i in batch.reserved:
+        batch.write(i, srcs[i])
+    ahead = None if nxt is None else await batch.commit_then_reserve(nxt)
+    return put_states(batch.states), ahead
 
 
 class AsyncPipeline(PipelineBase):
@@ -217,6 +233,12 @@ class AsyncClient:
         :meth:`kvstrata.clients.Client.reserve_chain`)."""
         call = cmd.mreserve(ns, parent, hashes, sizes, tokens, ttl_ms, tier)
         grant, conn = await self._take(call)
+        return await self._write_batch(ns, hashes, grant, conn)
+
+    async def _write_batch(
+        self, ns: str, hashes: Sequence[HashLike], grant: BatchGrant, conn: AsyncConnection
+    ) -> AsyncWriteBatch:
+        """The batch of a KV.MRESERVE reply; its lease is aborted when that fails."""
         try:
             regions = await self._regions_for([h for h in grant.handles if h is not None])
             keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
@@ -239,45 +261,103 @@ class AsyncClient:
         if len(payloads) != len(hashes):
             raise ValueError("put_chain needs one payload per hash")
         srcs = [as_bytes_view(p) for p in payloads]
+        sizes = [len(b) for b in srcs]
+        parts = batch_slices(sizes)
         out: list[str] = []
-        for part in batch_slices([len(b) for b in srcs]):
-            link = parent if part.start == 0 else hashes[part.start - 1]
-            out += await self._put_batch(ns, hashes[part], srcs[part], link, tokens)
+        ahead: AsyncWriteBatch | None = None  # this part's slots, reserved with the last commit
+        for k, part in enumerate(parts):
+            nxt: _Next | None = None
+            if k + 1 < len(parts):
+                following = parts[k + 1]
+                nxt = (hashes[following], sizes[following], hashes[following.start - 1], tokens)
+            if ahead is None:
+                link = parent if part.start == 0 else hashes[part.start - 1]
+                states, ahead = await self._put_batch(
+                    ns, hashes[part], srcs[part], link, tokens, nxt
+                )
+            else:
+                batch, ahead = ahead, None
+                async with batch:  # an exception while filling aborts the slots
+                    states, ahead = await _fill(batch, srcs[part], nxt)
+            out += states
         return out
 
     async def _put_batch(
-        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
-    ) -> list[str]:
-        """One batch; halved while the server refuses its reservation with -LEASELIMIT (the
-        batch is over ``lease-reserve-max-per-client``, e.g. on a small arena: the server
-        reserved nothing), until a single chunk is refused."""
+        self,
+        ns: str,
+        hashes: Sequence[HashLike],
+        srcs: Sequence[Any],
+        parent: Any,
+        tokens: int,
+        nxt: _Next | None = None,
+    ) -> tuple[list[str], AsyncWriteBatch | None]:
+        """One batch, halved on -LEASELIMIT; ``nxt`` reserved with its commit where it can be
+        (see :meth:`kvstrata.clients.Client._put_batch`)."""
         try:
-            return await self._put_batch_once(ns, hashes, srcs, parent, tokens)
+            return await self._put_batch_once(ns, hashes, srcs, parent, tokens, nxt)
         except LeaseLimitError:
             if len(hashes) < 2:
                 raise
         mid = len(hashes) // 2
-        first = await self._put_batch(ns, hashes[:mid], srcs[:mid], parent, tokens)
-        return first + await self._put_batch(ns, hashes[mid:], srcs[mid:], hashes[mid - 1], tokens)
+        first, _ = await self._put_batch(ns, hashes[:mid], srcs[:mid], parent, tokens)
+        rest, ahead = await self._put_batch(
+            ns, hashes[mid:], srcs[mid:], hashes[mid - 1], tokens, nxt
+        )
+        return first + rest, ahead
 
     async def _put_batch_once(
-        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
-    ) -> list[str]:
+        self,
+        ns: str,
+        hashes: Sequence[HashLike],
+        srcs: Sequence[Any],
+        parent: Any,
+        tokens: int,
+        nxt: _Next | None,
+    ) -> tuple[list[str], AsyncWriteBatch | None]:
         if self.shared_memory:
             sizes = [len(b) for b in srcs]
             try:
                 batch = await self.reserve_chain(ns, parent, hashes, sizes, tokens, tier="dram")
                 async with batch:
-                    for i in batch.reserved:
-                        batch.write(i, srcs[i])
-                return put_states(batch.states)
+                    return await _fill(batch, srcs, nxt)
             except RegionMapError:
                 self.shared_memory = False  # the server is on another host: bytes over TCP
         p = self.pipeline()
         for h, src in zip(hashes, srcs, strict=True):
             p.put(ns, h, parent, src, tokens=tokens, nx=True)
             parent = h
-        return ["stored" if ok else "exists" for ok in await p.execute()]
+        return ["stored" if ok else "exists" for ok in await p.execute()], None
+
+    async def _commit_then_reserve(
+        self, batch: AsyncWriteBatch, nxt: _Next, conn: AsyncConnection
+    ) -> AsyncWriteBatch | None:
+        """``AsyncWriteBatch.commit_then_reserve`` (see ``Client._commit_then_reserve``)."""
+        hashes, sizes, parent, tokens = nxt
+        named, digests = batch.commit_args(())
+        if not self._digests:
+            digests = ()
+        commit = cmd.commit(batch._lease(), *named, digests=digests)
+        reserve = cmd.mreserve(batch.namespace, parent, hashes, sizes, tokens, tier="dram")
+        if conn.closed:
+            raise LeaseError(LEASE_CONN_CLOSED)
+        done, reply = await conn.pipeline([commit.args, reserve.args], [None, None])
+        grant = None if isinstance(reply, RespError) else reserve.result(reply)
+        try:
+            if isinstance(done, RespError):
+                if not (digests and cmd.refuses_digests(done)):
+                    raise done
+                self._digests = False  # an older server: it hashes the slots itself
+                await self._run(cmd.commit(batch._lease(), *named), conn)
+        except BaseException:
+            if grant is not None and grant.lease_id is not None:
+                await self.abort(grant.lease_id, via=conn)  # nothing of the next batch is kept
+            raise
+        if grant is None:
+            return None  # refused: the caller reserves that batch again and hears why
+        try:
+            return await self._write_batch(batch.namespace, hashes, grant, conn)
+        except Exception:  # its lease is aborted; reserved again, the error is raised then
+            return None
 
     async def commit(
         self,

@@ -229,7 +229,16 @@ def _mreserve(reply: Any) -> BatchGrant:
     lease_id, entries = reply
     handles: list[Handle | None] = []
     states: list[str] = []
+    names: dict[bytes, str] = {}  # region and instance names, decoded once per reply
     for entry in entries:
+        if type(entry) is list and len(entry) == 4:  # the common shape: [bytes, int, int, bytes]
+            region, offset, length, instance = entry
+            if type(region) is bytes and type(instance) is bytes and type(offset) is int:
+                r = names.get(region) or names.setdefault(region, as_str(region))
+                i = names.get(instance) or names.setdefault(instance, as_str(instance))
+                handles.append(Handle(r, offset, int(length), i))
+                states.append("reserved")
+                continue
         if isinstance(entry, list | tuple):
             handles.append(parse_handle(entry))
             states.append("reserved")

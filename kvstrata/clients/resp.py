@@ -16,6 +16,11 @@ into ``out`` (an uncapped read would take up to :data:`READ_BUFFER` bytes of it)
 caller buffer, a bulk of at least ``big`` bytes is received into one preallocated ``bytearray``.
 An ``out`` may also be a list of buffers, one per element of a top-level array (``KV.MGET``).
 
+A reply that lies whole in the read buffer and holds only arrays, bulks shorter than ``big``,
+integers, simple strings and nulls (``KV.MRESERVE``'s and ``KV.LEASE``'s handles, ``OK``, most
+replies) is parsed in one call by the compiled ``_cresp.parse_reply`` when it was built; the
+rest, and every reply without it, by the resumable Python parser, which gives the same values.
+
 Value mapping: bulk → ``bytes`` (``bytearray`` when received in place, ``memoryview`` of the
 filled part of ``out``), simple → :class:`~kvstrata.protocol.frames.Simple`, integer/big number
 → ``int``, double → ``float``, boolean → ``bool``, null → ``None``, array/set → ``list``, map →
@@ -34,6 +39,11 @@ from typing import Any
 from kvstrata.protocol.encoder import encode_command, join_small
 from kvstrata.protocol.errors import CommandError, ProtocolError, error_from_reply
 from kvstrata.protocol.frames import Push, Simple
+
+try:  # the compiled parser of whole, plain replies (kvstrata/protocol/_cresp.c)
+    from kvstrata.protocol._cresp import parse_reply as _c_parse_reply
+except ImportError:  # no compiler at install: the Python parser alone
+    _c_parse_reply = None
 
 __all__ = [
     "BIG_BULK",
@@ -211,6 +221,16 @@ class ReplyReader:
     def _parse(self) -> None:
         buf = self._buf
         while self._target is None:
+            if not self._stack and self._crlf_after is _SKIP and _c_parse_reply is not None:
+                if self._pos == self._end:
+                    return
+                if self._out_for_reply() is None:  # a reply to receive in place: below
+                    whole = _c_parse_reply(buf, self._pos, self._end, self._big, Simple)
+                    if whole is not None:
+                        value, self._pos = whole
+                        self._out = None
+                        self._on_reply(value)
+                        continue
             if self._crlf_after is not _SKIP:
                 if self._end - self._pos < 2:
                     return

@@ -35,7 +35,7 @@ from kvstrata.clients.leases import batch_slices, put_states
 from kvstrata.clients.pipeline import PipelineBase
 from kvstrata.clients.regions import regions_stale, update_regions
 from kvstrata.clients.resp import as_bytes_view
-from kvstrata.clients.results import Handle, LeaseId, RegionInfo
+from kvstrata.clients.results import BatchGrant, Handle, LeaseId, RegionInfo
 from kvstrata.clients.sync_leases import Lease, WriteBatch, WriteLease
 from kvstrata.protocol.errors import LeaseLimitError, LoadingError, RespError
 
@@ -52,6 +52,23 @@ def _command(build: Callable[P, Call[T]]) -> Callable[Concatenate[Client, P], T]
         return self._run(build(*args, **kwargs))
 
     return cmd.method_like(build, method)
+
+
+#: the next batch of a chain, reserved with the commit of one (``put_chain``): its hashes,
+#: sizes, parent and tokens
+_Next = tuple[Sequence[HashLike], Sequence[int], HashLike, int]
+
+
+def _fill(
+    batch: WriteBatch, srcs: Sequence[Any], nxt: _Next | None
+) -> tuple[list[str], WriteBatch | None]:
+    """Copy ``srcs`` into ``batch``'s slots (inside its ``with``); then commit it with the
+    reservation of ``nxt`` when given (that batch, or None), else leave the commit to the
+    ``with``."""
+    for i in batch.reserved:
+        batch.write(i, srcs[i])
+    ahead = None if nxt is None else batch.commit_then_reserve(nxt)
+    return put_states(batch.states), ahead
 
 
 class Pipeline(PipelineBase):
@@ -205,6 +222,12 @@ class Client:
         in one round trip (``KV.MRESERVE``); committing publishes them all in one more. Chunks
         stored already or being written elsewhere get no slot (``states``)."""
         grant, conn = self._take(cmd.mreserve(ns, parent, hashes, sizes, tokens, ttl_ms, tier))
+        return self._write_batch(ns, hashes, grant, conn)
+
+    def _write_batch(
+        self, ns: str, hashes: Sequence[HashLike], grant: BatchGrant, conn: SyncConnection
+    ) -> WriteBatch:
+        """The batch of a KV.MRESERVE reply; its lease is aborted when that fails."""
         try:
             regions = self._regions_for([h for h in grant.handles if h is not None])
             keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
@@ -230,44 +253,100 @@ class Client:
         if len(payloads) != len(hashes):
             raise ValueError("put_chain needs one payload per hash")
         srcs = [as_bytes_view(p) for p in payloads]
+        sizes = [len(b) for b in srcs]
+        parts = batch_slices(sizes)
         out: list[str] = []
-        for part in batch_slices([len(b) for b in srcs]):
-            link = parent if part.start == 0 else hashes[part.start - 1]
-            out += self._put_batch(ns, hashes[part], srcs[part], link, tokens)
+        ahead: WriteBatch | None = None  # this part's slots, reserved with the last commit
+        for k, part in enumerate(parts):
+            nxt: _Next | None = None
+            if k + 1 < len(parts):
+                following = parts[k + 1]
+                nxt = (hashes[following], sizes[following], hashes[following.start - 1], tokens)
+            if ahead is None:
+                link = parent if part.start == 0 else hashes[part.start - 1]
+                states, ahead = self._put_batch(ns, hashes[part], srcs[part], link, tokens, nxt)
+            else:
+                batch, ahead = ahead, None
+                with batch:  # an exception while filling aborts the slots
+                    states, ahead = _fill(batch, srcs[part], nxt)
+            out += states
         return out
 
     def _put_batch(
-        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
-    ) -> list[str]:
+        self,
+        ns: str,
+        hashes: Sequence[HashLike],
+        srcs: Sequence[Any],
+        parent: Any,
+        tokens: int,
+        nxt: _Next | None = None,
+    ) -> tuple[list[str], WriteBatch | None]:
         """One batch; halved while the server refuses its reservation with -LEASELIMIT (the
         batch is over ``lease-reserve-max-per-client``, e.g. on a small arena: the server
-        reserved nothing), until a single chunk is refused."""
+        reserved nothing), until a single chunk is refused. ``nxt``: the next batch of the
+        chain, reserved with this one's commit where it can be (returned, else None)."""
         try:
-            return self._put_batch_once(ns, hashes, srcs, parent, tokens)
+            return self._put_batch_once(ns, hashes, srcs, parent, tokens, nxt)
         except LeaseLimitError:
             if len(hashes) < 2:
                 raise
         mid = len(hashes) // 2
-        first = self._put_batch(ns, hashes[:mid], srcs[:mid], parent, tokens)
-        return first + self._put_batch(ns, hashes[mid:], srcs[mid:], hashes[mid - 1], tokens)
+        first, _ = self._put_batch(ns, hashes[:mid], srcs[:mid], parent, tokens)
+        rest, ahead = self._put_batch(ns, hashes[mid:], srcs[mid:], hashes[mid - 1], tokens, nxt)
+        return first + rest, ahead
 
     def _put_batch_once(
-        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
-    ) -> list[str]:
+        self,
+        ns: str,
+        hashes: Sequence[HashLike],
+        srcs: Sequence[Any],
+        parent: Any,
+        tokens: int,
+        nxt: _Next | None,
+    ) -> tuple[list[str], WriteBatch | None]:
         if self.shared_memory:
             sizes = [len(b) for b in srcs]
             try:
                 with self.reserve_chain(ns, parent, hashes, sizes, tokens, tier="dram") as batch:
-                    for i in batch.reserved:
-                        batch.write(i, srcs[i])
-                return put_states(batch.states)
+                    return _fill(batch, srcs, nxt)
             except RegionMapError:
                 self.shared_memory = False  # the server is on another host: bytes over TCP
         with self.pipeline() as p:
             for h, src in zip(hashes, srcs, strict=True):
                 p.put(ns, h, parent, src, tokens=tokens, nx=True)
                 parent = h
-            return ["stored" if ok else "exists" for ok in p.execute()]
+            return ["stored" if ok else "exists" for ok in p.execute()], None
+
+    def _commit_then_reserve(
+        self, batch: WriteBatch, nxt: _Next, conn: SyncConnection
+    ) -> WriteBatch | None:
+        """``WriteBatch.commit_then_reserve``: the batch's KV.COMMIT and the KV.MRESERVE of
+        ``nxt`` in one write on ``conn`` (the server runs them in that order)."""
+        hashes, sizes, parent, tokens = nxt
+        named, digests = batch.commit_args(())
+        if not self._digests:
+            digests = ()
+        commit = cmd.commit(batch._lease(), *named, digests=digests)
+        reserve = cmd.mreserve(batch.namespace, parent, hashes, sizes, tokens, tier="dram")
+        with self.pool.connection(conn) as c:
+            done, reply = c.pipeline([commit.args, reserve.args], [None, None])
+        grant = None if isinstance(reply, RespError) else reserve.result(reply)
+        try:
+            if isinstance(done, RespError):
+                if not (digests and cmd.refuses_digests(done)):
+                    raise done
+                self._digests = False  # an older server: it hashes the slots itself
+                self._run(cmd.commit(batch._lease(), *named), conn)
+        except BaseException:
+            if grant is not None and grant.lease_id is not None:
+                self.abort(grant.lease_id, via=conn)  # nothing of the next batch is kept
+            raise
+        if grant is None:
+            return None  # refused: the caller reserves that batch again and hears why
+        try:
+            return self._write_batch(batch.namespace, hashes, grant, conn)
+        except Exception:  # its lease is aborted; reserved again, the error is raised then
+            return None
 
     def commit(
         self,

@@ -244,7 +244,109 @@ static PyObject *parse_args(PyObject *self, PyObject *pyargs) {
     return Py_BuildValue("(nN)", at, state);
 }
 
+/* ---- replies (the client's kvstrata.clients.resp.ReplyReader) ------------------------------
+ *
+ * parse_reply(buf, pos, end, big, simple) -> (value, pos) or None
+ *
+ * One whole top-level reply at pos, when it lies complete in buf[pos:end] and holds only
+ * arrays, bulks shorter than big, integers, simple strings (made with simple, the Simple class)
+ * and nulls, as the Python reader maps them (bulk -> bytes, array -> list, a negative length ->
+ * None). None for anything else (a partial reply, another type, an odd header such as a length
+ * Python's int() would read but this does not): the Python reader then parses it from pos,
+ * with its own checks and errors. It raises only MemoryError. */
+#define REPLY_DEPTH 32
+
+/* A new reference, or NULL: *st is 0 (not handled here) or -1 (a Python error is set). */
+static PyObject *reply_item(const char *base, const char **at, const char *stop, long long big,
+                            PyObject *simple, int depth, int *st)
+{
+    const char *p = *at;
+    *st = 0;
+    if (p >= stop) return NULL;
+    const char *nl = find_crlf(p + 1, stop);
+    if (nl == NULL) return NULL;
+    long long v;
+    PyObject *obj;
+    switch (*p) {
+    case '$':
+        if (parse_ll(p + 1, nl, &v) != 0) return NULL;
+        if (v < 0) { *at = nl + 2; Py_RETURN_NONE; }
+        if (v >= big || stop - (nl + 2) < v + 2) return NULL;
+        if (nl[2 + v] != '\r' || nl[3 + v] != '\n') return NULL;
+        obj = PyBytes_FromStringAndSize(nl + 2, (Py_ssize_t)v);
+        if (obj == NULL) { *st = -1; return NULL; }
+        *at = nl + 4 + v;
+        return obj;
+    case ':':
+        if (parse_ll(p + 1, nl, &v) != 0) return NULL;
+        obj = PyLong_FromLongLong(v);
+        if (obj == NULL) { *st = -1; return NULL; }
+        *at = nl + 2;
+        return obj;
+    case '+': {
+        PyObject *line = PyBytes_FromStringAndSize(p + 1, nl - (p + 1));
+        if (line == NULL) { *st = -1; return NULL; }
+        obj = PyObject_CallOneArg(simple, line);
+        Py_DECREF(line);
+        if (obj == NULL) { *st = -1; return NULL; }
+        *at = nl + 2;
+        return obj;
+    }
+    case '_':
+        *at = nl + 2;
+        Py_RETURN_NONE;
+    case '*': {
+        if (parse_ll(p + 1, nl, &v) != 0) return NULL;
+        if (v < 0) { *at = nl + 2; Py_RETURN_NONE; }
+        /* every element takes at least 3 bytes: a count beyond the buffer is not complete */
+        if (depth >= REPLY_DEPTH || v > (stop - (nl + 2)) / 3) return NULL;
+        PyObject *list = PyList_New((Py_ssize_t)v);
+        if (list == NULL) { *st = -1; return NULL; }
+        const char *q = nl + 2;
+        for (Py_ssize_t i = 0; i < (Py_ssize_t)v; i++) {
+            PyObject *item = reply_item(base, &q, stop, big, simple, depth + 1, st);
+            if (item == NULL) { Py_DECREF(list); return NULL; }
+            PyList_SET_ITEM(list, i, item);
+        }
+        *at = q;
+        return list;
+    }
+    default:
+        return NULL;
+    }
+}
+
+static PyObject *parse_reply(PyObject *self, PyObject *args)
+{
+    Py_buffer view;
+    Py_ssize_t pos, end;
+    long long big;
+    PyObject *simple;
+    if (!PyArg_ParseTuple(args, "y*nnLO:parse_reply", &view, &pos, &end, &big, &simple))
+        return NULL;
+    if (end > view.len) end = view.len;
+    PyObject *out = NULL;
+    if (pos >= 0 && pos < end) {
+        const char *base = (const char *)view.buf, *at = base + pos;
+        int st = 0;
+        PyObject *value = reply_item(base, &at, base + end, big, simple, 0, &st);
+        if (value != NULL)
+            out = Py_BuildValue("(Nn)", value, (Py_ssize_t)(at - base));
+        else if (st == 0) {
+            out = Py_None;
+            Py_INCREF(out);
+        }
+    } else {
+        out = Py_None;
+        Py_INCREF(out);
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"parse_reply", parse_reply, METH_VARARGS,
+     "One complete reply of arrays, bulks, integers, simple strings and nulls, or None."},
     {"parse_requests", parse_requests, METH_VARARGS, "Scan complete RESP commands."},
     {"parse_args", parse_args, METH_VARARGS, "Continue a command: parse up to n arguments."},
     {"set_error_class", set_error_class, METH_O, "Exception class for malformed input."},
