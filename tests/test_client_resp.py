@@ -229,7 +229,7 @@ def test_chain_fast_path_writes_what_the_general_encoder_writes() -> None:
     assert chain_seen > 100  # the fast path was taken, not only the general one
     hashes = [i.to_bytes(36, "big") for i in range(500)]
     assert resp._chain_wire(["KV.MATCH", "ns", *hashes]) is not None
-    assert resp._chain_wire(["KV.MATCH", "ns", *hashes[:8]]) is None  # short: general path
+    assert resp._chain_wire(["KV.MATCH", "ns", *hashes[:6]]) is None  # short: general path
 
 
 def test_payload_views() -> None:

@@ -137,9 +137,7 @@ def _chain_wire(args: Sequence[Any]) -> bytes | None:
     if any(type(p) is not bytes for p in tail):  # a large trailing payload: the general way
         return None
     sep = b"\r\n$%d\r\n" % size
-    return b"".join(
-        (b"*%d\r\n" % len(args), *head[1:], sep[2:], sep.join(run), b"\r\n", *tail[1:])
-    )
+    return b"".join((b"*%d\r\n" % len(args), *head[1:], sep[2:], sep.join(run), b"\r\n", *tail[1:]))
 
 
 @dataclass(slots=True)
