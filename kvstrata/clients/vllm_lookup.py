@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
+from itertools import repeat
 from typing import Any
 
 __all__ = ["RecentHits", "group_chains"]
@@ -53,13 +54,15 @@ class RecentHits:
         """The server holds ``keys`` now (a store succeeded, or a KV.MATCH said so)."""
         if not self.enabled:
             return
-        until = self._clock() + self.ttl_s
+        fresh = dict.fromkeys(keys, self._clock() + self.ttl_s)
+        known = self._keys
         with self._lock:
-            for key in keys:
-                self._keys[key] = until
-                self._keys.move_to_end(key)
-            while len(self._keys) > self.max_keys:
-                self._keys.popitem(last=False)
+            seen = known.keys() & fresh.keys()  # renewed: they move to the young end
+            known.update(fresh)  # (in C, as below: a KV.MATCH adds hundreds at once)
+            if seen:
+                deque(map(known.move_to_end, seen), maxlen=0)
+            while len(known) > self.max_keys:
+                known.popitem(last=False)
 
     def hit(self, key: bytes) -> bool:
         """True when ``key`` was seen stored less than ``ttl_s`` ago."""
@@ -76,8 +79,7 @@ class RecentHits:
     def forget(self, keys: Iterable[bytes]) -> None:
         """The server does not hold ``keys`` (a load or a KV.MATCH missed them)."""
         with self._lock:
-            for key in keys:
-                self._keys.pop(key, None)
+            deque(map(self._keys.pop, keys, repeat(None)), maxlen=0)
 
     def clear(self) -> None:
         """The server could not be reached: nothing is known any more."""

@@ -3,18 +3,28 @@
 
 A mixin of :class:`~kvstrata.clients.vllm.KvstrataTier`. ``lookup`` answers at once from what a
 request already learnt or from the recent-hit cache (:mod:`kvstrata.clients.vllm_lookup`), else
-queues the key and answers ``RETRY``; ``on_schedule_end`` sends every queued chain of the step
-in one pipelined round trip on the tier's lookup thread, and the next lookup applies the
-verdicts (and the keys a load found missing).
+queues the key and answers ``RETRY``. ``on_schedule_end`` sends every queued chain of the step
+in one pipelined write on the tier's own lookup connection, from the scheduler's thread, and
+does not wait; the lookups that follow (at most every :data:`POLL_EVERY_S`) and the next
+``on_schedule_end`` read the replies once they are there (``SyncConnection.receive_ready``:
+never a wait) and apply the verdicts (and the keys a load found missing). No thread hand-off
+on the way: that cost more than the ``KV.MATCH`` itself (issue 31). The lookup connection is
+made on the tier's lookup thread (a connect may wait on a dead server); while it is not up, or
+after it failed, the step's chains go to that thread as before, which connects it again.
+
+What a reply means is exact either way: the leading ``n`` keys of a chain are stored (and
+remembered), the rest miss (and are forgotten); an error reply, a lost connection or no reply
+within the tier's ``timeout_s`` is a miss of every key in flight, never a hit.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -24,12 +34,17 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 
+from kvstrata.clients.connection import ConnectionSettings, SyncConnection
 from kvstrata.clients.vllm_io import ChunkMover
 from kvstrata.clients.vllm_lookup import RecentHits, group_chains
 
-__all__ = ["RequestLookups", "RequestState"]
+__all__ = ["POLL_EVERY_S", "RequestLookups", "RequestState"]
 
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+#: a lookup looks for the replies of the step's KV.MATCH es at most this often (one poll
+#: costs a system call; a 500-key scan takes longer than this)
+POLL_EVERY_S = 25e-6
+Chains = list[tuple[str, list[bytes]]]  # (request id, one KV group's chain)
 
 
 @dataclass(slots=True)
@@ -43,6 +58,14 @@ class RequestState:
     in_flight: bool = False
     chain: dict[tuple[bytes, int], bytes] = field(default_factory=dict)
     cached: list[bytes] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """One step's ``KV.MATCH`` es on the lookup connection whose replies are not read yet."""
+
+    chains: Chains
+    at: float  # time.monotonic() when sent
 
 
 class RequestLookups:
@@ -59,6 +82,12 @@ class RequestLookups:
     _hits: RecentHits
     _hit: Callable[[bytes], bool]
     _refused: str | None
+    _timeout_s: float
+    _lookup_settings: ConnectionSettings
+    _lookup_conn: SyncConnection | None  # the scheduler's, for KV.MATCH only
+    _connecting: bool
+    _sent: deque[_Sent]
+    _next_poll: float
 
     if TYPE_CHECKING:  # KvstrataTier's (a stub here would shadow it)
 
@@ -82,6 +111,8 @@ class RequestLookups:
         # called for every key of every waiting request on the scheduler's path: kept lean
         if self._refused != "" and not self._check_shareable():
             return _MISS
+        if self._sent and time.monotonic() >= self._next_poll:
+            self._poll()
         if self._matches or self._misses:
             self._apply_matches()
         state = self._requests.get(req_context.req_id)
@@ -94,44 +125,139 @@ class RequestLookups:
             state.verdicts[key] = True
             state.cached.append(key)  # (a later store's parent may be this key)
             return _HIT
-        self._remember(state, key, req_context)
-        state.queued[key] = None
+        if key not in state.queued:  # (asked again while its KV.MATCH is out: known)
+            self._remember(state, key, req_context)
+            state.queued[key] = None
         return LookupResult.RETRY
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._sent:
+            self._poll()
         self._apply_matches()
-        step: list[tuple[str, list[list[bytes]]]] = []
+        chains: Chains = []
         for req_id, state in self._requests.items():
             if state.queued and not state.in_flight:
                 keys, state.queued = list(state.queued), {}
                 state.in_flight = True
-                step.append((req_id, group_chains(keys, state.chain)))
-        if step:  # the whole step's lookups in one round trip
-            future = self._lookups.submit(self._match, step)
+                chains += [(req_id, chain) for chain in group_chains(keys, state.chain)]
+        if chains and not self._send(chains):  # not connected: the lookup thread's way
+            future = self._lookups.submit(self._match, chains)
             self._matching.add(future)
             future.add_done_callback(self._matching.discard)
 
-    def _match(self, step: list[tuple[str, list[list[bytes]]]]) -> None:
-        """One pipelined ``KV.MATCH`` per request and group chain: the leading ``n`` keys of a
-        chain hit (remembered), the rest miss (forgotten)."""
-        chains = [(req_id, chain) for req_id, group in step for chain in group]
-        verdicts: dict[str, dict[bytes, bool]] = {req_id: {} for req_id, _ in step}
+    # -- the scheduler's own lookup connection ---------------------------------------------
+
+    def _send(self, chains: Chains) -> bool:
+        """One pipelined ``KV.MATCH`` per chain on the lookup connection, not waiting for the
+        replies; False when it is not up (the lookup thread is asked to connect it)."""
+        conn = self._lookup_conn
+        if conn is None or conn.closed:
+            self._connect_lookups_later()
+            return False
+        try:
+            conn.send([("KV.MATCH", self.namespace, *chain) for _, chain in chains])
+        except Exception as exc:  # lost: what was in flight misses, these go the thread's way
+            self._lookups_lost(exc)
+            return False
+        now = time.monotonic()
+        self._sent.append(_Sent(chains, now))
+        self._next_poll = now + POLL_EVERY_S
+        return True
+
+    def _poll(self) -> None:
+        """Apply the replies that have arrived, oldest step first; never waits."""
+        now = time.monotonic()
+        while self._sent:
+            batch, conn = self._sent[0], self._lookup_conn
+            try:
+                if conn is None:
+                    raise ConnectionError("the lookup connection is closed")
+                replies = conn.receive_ready(len(batch.chains))
+                if replies is None and now - batch.at > self._timeout_s:
+                    raise TimeoutError(f"no KV.MATCH reply in {self._timeout_s:g} s")
+            except Exception as exc:
+                self._lookups_lost(exc)
+                return
+            if replies is None:
+                self._next_poll = now + POLL_EVERY_S
+                return
+            self._sent.popleft()
+            self._matches.extend(self._verdicts(batch.chains, replies))
+
+    def _lookups_lost(self, exc: BaseException) -> None:
+        """The lookup connection failed: every key in flight on it misses, nothing is known
+        any more (the server may have restarted), and the lookup thread reconnects."""
+        self._log_failure("KV.MATCH", exc)
+        conn, self._lookup_conn = self._lookup_conn, None
+        if conn is not None:
+            conn.close()
+        self._hits.clear()
+        while self._sent:
+            self._matches.extend(self._all_miss(self._sent.popleft().chains).items())
+        self._connect_lookups_later()
+
+    def _connect_lookups_later(self) -> None:
+        if not self._connecting:
+            self._connecting = True
+            try:
+                self._lookups.submit(self._connect_lookups)
+            except RuntimeError:  # shut down
+                self._connecting = False
+
+    def _connect_lookups(self) -> None:
+        """(the lookup thread) Open the scheduler's lookup connection."""
+        try:
+            if self._lookup_conn is None or self._lookup_conn.closed:
+                self._lookup_conn = SyncConnection(self._lookup_settings)
+        except Exception as exc:  # the server is down: the next step asks again
+            self._log_failure("lookup connect", exc)
+        finally:
+            self._connecting = False
+
+    def _close_lookups(self) -> None:
+        conn, self._lookup_conn = self._lookup_conn, None
+        if conn is not None:
+            conn.close()
+
+    # -- verdicts ---------------------------------------------------------------------------
+
+    def _verdicts(self, chains: Chains, counts: list[Any]) -> list[tuple[str, dict[bytes, bool]]]:
+        """Per request, each key's verdict from the ``KV.MATCH`` reply of its chain: the
+        leading ``n`` keys hit (remembered), the rest miss (forgotten); an error reply (or
+        anything but a count) misses the whole chain."""
+        verdicts: dict[str, dict[bytes, bool]] = {}
+        for (req_id, chain), n in zip(chains, counts, strict=True):
+            got = verdicts.setdefault(req_id, {})
+            if type(n) is not int or not 0 <= n <= len(chain):
+                self._log_failure("KV.MATCH", ValueError(f"reply {n!r}"))
+                got.update(dict.fromkeys(chain, False))
+                continue
+            got.update(dict.fromkeys(chain[:n], True))
+            got.update(dict.fromkeys(chain[n:], False))
+            self._hits.add(chain[:n])
+            self._hits.forget(chain[n:])
+        return list(verdicts.items())
+
+    @staticmethod
+    def _all_miss(chains: Chains) -> dict[str, dict[bytes, bool]]:
+        verdicts: dict[str, dict[bytes, bool]] = {}
+        for req_id, chain in chains:
+            verdicts.setdefault(req_id, {}).update(dict.fromkeys(chain, False))
+        return verdicts
+
+    def _match(self, chains: Chains) -> None:
+        """(the lookup thread, while the lookup connection is not up) The chains' pipelined
+        ``KV.MATCH`` es on the mover's client (its pool reconnects by itself)."""
         try:
             with self._mover.client().pipeline() as p:
                 for _, chain in chains:
                     p.match(self.namespace, chain)
-                counts = p.execute()
-            for (req_id, chain), n in zip(chains, counts, strict=True):
-                verdicts[req_id].update((k, i < n) for i, k in enumerate(chain))
-                self._hits.add(chain[:n])
-                self._hits.forget(chain[n:])
+                counts = p.execute(raise_on_error=False)
+            self._matches.extend(self._verdicts(chains, counts))
         except Exception as exc:  # server down, timeout: a miss, never an error in vLLM
             self._log_failure("KV.MATCH", exc)
             self._hits.clear()
-            for req_id, chain in chains:
-                got = verdicts[req_id]
-                got.update((k, False) for k in chain if k not in got)
-        self._matches.extend(verdicts.items())
+            self._matches.extend(self._all_miss(chains).items())
 
     def _apply_matches(self) -> None:
         while self._matches:
