@@ -174,6 +174,7 @@ class KvstrataTier(RequestLookups, SecondaryTierManager):
         self._matching: set[Future[None]] = set()
         self._hits = RecentHits(float(lookup_cache_s), int(lookup_cache_keys))
         self._hit = self._hits.hit
+        self._hit_until = self._hits.until
         # the scheduler's own connection for KV.MATCH (vllm_requests): made on the lookup thread
         self._timeout_s = float(timeout_s)
         self._lookup_settings = ConnectionSettings(**settings, client_name=name)
@@ -208,9 +209,7 @@ class KvstrataTier(RequestLookups, SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         job = job_metadata
         state = self._requests.setdefault(job.req_context.req_id, RequestState())
-        for key in state.cached:
-            self._remember(state, key, job.req_context)
-        state.cached.clear()
+        self._link(state, job.req_context)
         items = []
         for key, row in zip(job.keys, job.chunk_ids, strict=True):
             end = self._remember(state, key, job.req_context)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,24 +40,39 @@ from kvstrata.clients.vllm_lookup import RecentHits, group_chains
 
 __all__ = ["POLL_EVERY_S", "RequestLookups", "RequestState"]
 
-_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+_HIT, _MISS, _RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 #: a lookup looks for the replies of the step's KV.MATCH es at most this often (one poll
 #: costs a system call; a 500-key scan takes longer than this)
 POLL_EVERY_S = 25e-6
 Chains = list[tuple[str, list[bytes]]]  # (request id, one KV group's chain)
 
 
+def _positions(ctx: ReqContext | None, keys: list[bytes]) -> Mapping[bytes, int]:
+    """key → end token, as the scheduler recorded them in ``ctx``: vLLM's own dict when it
+    has one (0.32, 0.33: read in C, no call per key), else asked key by key."""
+    if ctx is None:
+        return {}
+    table = getattr(ctx, "_offload_key_positions", None)
+    if isinstance(table, dict):
+        return table
+    return {k: end for k in keys if (end := ctx.get_offload_key_position(k)) is not None}
+
+
 @dataclass(slots=True)
 class RequestState:
-    """Lookup state of one request: verdicts so far, keys queued for the next ``KV.MATCH``,
-    and the chain (group, end token) → key for the parents of stored chunks (keys answered
-    from the recent-hit cache join it only when a store needs parents: ``cached``)."""
+    """Lookup state of one request: verdicts so far, keys asked and not answered yet
+    (``pending``; ``unsent``: not in a ``KV.MATCH`` yet, in the order asked), and the chain
+    (group, end token) → key for the parents of stored chunks. Keys join the chain only when
+    a store needs parents (``unlinked``: looked up, not in the chain yet), so a lookup does no
+    more per key than it must."""
 
     verdicts: dict[bytes, bool] = field(default_factory=dict)
-    queued: dict[bytes, None] = field(default_factory=dict)
+    pending: set[bytes] = field(default_factory=set)
+    unsent: list[bytes] = field(default_factory=list)
     in_flight: bool = False
+    ctx: ReqContext | None = None  # the request's context (the scheduler reuses one)
     chain: dict[tuple[bytes, int], bytes] = field(default_factory=dict)
-    cached: list[bytes] = field(default_factory=list)
+    unlinked: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -81,6 +96,7 @@ class RequestLookups:
     _matching: set[Future[None]]
     _hits: RecentHits
     _hit: Callable[[bytes], bool]
+    _hit_until: Callable[[bytes], float | None]
     _refused: str | None
     _timeout_s: float
     _lookup_settings: ConnectionSettings
@@ -121,14 +137,16 @@ class RequestLookups:
         verdict = state.verdicts.get(key)
         if verdict is not None:
             return _HIT if verdict else _MISS
-        if self._hit(key):  # stored or matched a moment ago: no round trip
+        if key in state.pending:  # asked already, its KV.MATCH not answered yet
+            return _RETRY
+        if self._hit_until(key) is not None and self._hit(key):  # stored or matched lately
             state.verdicts[key] = True
-            state.cached.append(key)  # (a later store's parent may be this key)
+            state.unlinked.append(key)  # (a later store's parent may be this key)
             return _HIT
-        if key not in state.queued:  # (asked again while its KV.MATCH is out: known)
-            self._remember(state, key, req_context)
-            state.queued[key] = None
-        return LookupResult.RETRY
+        state.pending.add(key)
+        state.unsent.append(key)
+        state.ctx = req_context
+        return _RETRY
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._sent:
@@ -136,14 +154,22 @@ class RequestLookups:
         self._apply_matches()
         chains: Chains = []
         for req_id, state in self._requests.items():
-            if state.queued and not state.in_flight:
-                keys, state.queued = list(state.queued), {}
+            if state.unsent and not state.in_flight:
+                keys, state.unsent = state.unsent, []
                 state.in_flight = True
-                chains += [(req_id, chain) for chain in group_chains(keys, state.chain)]
+                state.unlinked += keys
+                positions = _positions(state.ctx, keys)
+                chains += [(req_id, chain) for chain in group_chains(keys, positions)]
         if chains and not self._send(chains):  # not connected: the lookup thread's way
             future = self._lookups.submit(self._match, chains)
             self._matching.add(future)
             future.add_done_callback(self._matching.discard)
+
+    def _link(self, state: RequestState, ctx: ReqContext) -> None:
+        """Record the chain positions of the keys this request looked up (a store's parents)."""
+        for key in state.unlinked:
+            self._remember(state, key, ctx)
+        state.unlinked.clear()
 
     # -- the scheduler's own lookup connection ---------------------------------------------
 
@@ -227,15 +253,20 @@ class RequestLookups:
         anything but a count) misses the whole chain."""
         verdicts: dict[str, dict[bytes, bool]] = {}
         for (req_id, chain), n in zip(chains, counts, strict=True):
-            got = verdicts.setdefault(req_id, {})
             if type(n) is not int or not 0 <= n <= len(chain):
                 self._log_failure("KV.MATCH", ValueError(f"reply {n!r}"))
-                got.update(dict.fromkeys(chain, False))
-                continue
-            got.update(dict.fromkeys(chain[:n], True))
-            got.update(dict.fromkeys(chain[n:], False))
-            self._hits.add(chain[:n])
-            self._hits.forget(chain[n:])
+                n = 0
+            # (dicts made from dicts are sized at once: each key is hashed into a dict once)
+            got = dict.fromkeys(chain[:n], True)
+            self._hits.add(got)
+            if n < len(chain):
+                missed = dict.fromkeys(chain[n:], False)
+                self._hits.forget(missed)
+                got.update(missed)
+            if req_id in verdicts:  # another KV group's chain of the same request
+                verdicts[req_id].update(got)
+            else:
+                verdicts[req_id] = got
         return list(verdicts.items())
 
     @staticmethod
@@ -264,10 +295,13 @@ class RequestLookups:
             req_id, verdicts = self._matches.popleft()
             state = self._requests.get(req_id)
             if state is not None:
-                state.verdicts.update(verdicts)
+                if state.verdicts:
+                    state.verdicts.update(verdicts)
+                else:  # (the common case, and no copy: the dict is this request's alone)
+                    state.verdicts = verdicts
                 state.in_flight = False
-                for key in verdicts:  # asked again while in flight: answered now
-                    state.queued.pop(key, None)
+                # pending: what was in flight (answered now) and what was asked since
+                state.pending = set(state.unsent)
         while self._misses:
             req_id, keys = self._misses.popleft()
             self._hits.forget(keys)
