@@ -139,7 +139,8 @@ class RequestLookups:
             return _HIT if verdict else _MISS
         if key in state.pending:  # asked already, its KV.MATCH not answered yet
             return _RETRY
-        if self._hit_until(key) is not None and self._hit(key):  # stored or matched lately
+        until = self._hit_until(key)  # stored or matched lately (RecentHits.hit, inlined)
+        if until is not None and (until > time.monotonic() or self._hit(key)):
             state.verdicts[key] = True
             state.unlinked.append(key)  # (a later store's parent may be this key)
             return _HIT
