@@ -242,6 +242,8 @@ class RequestLookups:
             self._connecting = False
 
     def _close_lookups(self) -> None:
+        """(shutdown) Close the lookup connection; replies still due will never be read."""
+        self._sent.clear()
         conn, self._lookup_conn = self._lookup_conn, None
         if conn is not None:
             conn.close()
