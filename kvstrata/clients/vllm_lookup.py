@@ -1,8 +1,8 @@
 """The vLLM tier's memory of recent hits, so that a lookup can answer without a round trip.
 
 vLLM asks the tier about every key of a request's chain on the scheduler's path. Asking the
-server costs one ``KV.MATCH`` on the tier's lookup thread and at least one more scheduler step
-(the first scan answers ``RETRY``). Most lookups are of chunks this tier stored itself a moment
+server costs one ``KV.MATCH`` round trip and at least one more scheduler step (the first scan
+answers ``RETRY``). Most lookups are of chunks this tier stored itself a moment
 ago, or of a prefix another request just matched; :class:`RecentHits` remembers those keys for
 ``ttl_s`` seconds (at most ``max_keys``, the oldest leave first) and the tier answers ``HIT``
 from it at once.
@@ -30,7 +30,8 @@ _GROUP = itemgetter(slice(-4, None))  # an offload key's KV group index
 
 class RecentHits:
     """Keys known to be stored, each until ``ttl_s`` after it was last seen (thread-safe: the
-    tier's store and lookup threads add, the scheduler thread asks)."""
+    tier's store threads and the scheduler thread add, the scheduler thread asks; changes
+    hold the lock, a lookup is one ``dict.get``)."""
 
     __slots__ = ("_clock", "_keys", "_lock", "max_keys", "ttl_s")
 
