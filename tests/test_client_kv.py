@@ -47,6 +47,7 @@ class FakeKV:
     seen: list[list[bytes]] = field(default_factory=list)
     top: int = 0
     next_lease: int = 0
+    gate: threading.Event | None = None  # when set, KV.MATCH answers only once it is set
 
     def alloc(self, n: int) -> int:
         off, self.top = self.top, self.top + n
@@ -115,6 +116,8 @@ def handle_command(kv: FakeKV, conn: dict[str, Any], a: list[bytes]) -> Any:
     if name == b"KV.MGET":
         return [kv.payload((ns, h)) if (ns, h) in kv.chunks else None for h in a[2:]]
     if name == b"KV.MATCH":
+        if kv.gate is not None:
+            assert kv.gate.wait(30)
         opts = {w.upper() for w in a[2:] if w.upper() in (b"WITHTIERS", b"PREFETCH")}
         hashes = [h for h in a[2:] if h.upper() not in opts]
         n = kv.prefix(ns, hashes)
@@ -423,3 +426,26 @@ def test_timeout_closes_connection_and_raises_timeout() -> None:
             Client(port=listener.getsockname()[1], timeout=0.2)
     finally:
         listener.close()
+
+
+def test_receive_ready_never_waits_for_the_server(fake: tuple[FakeKV, int]) -> None:
+    """``receive_ready``: None while a reply has not arrived (the fake holds KV.MATCH on a
+    gate), the replies once all have, in order; the stream stays usable afterwards."""
+    import select
+
+    from kvstrata.clients.connection import ConnectionSettings, SyncConnection
+
+    kv, port = fake
+    _, hs = chain(3)
+    kv.chunks[(NS, hs[0])] = (b"", 0, 0, 4)
+    kv.gate = threading.Event()
+    with SyncConnection(ConnectionSettings(port=port)) as conn:
+        conn.send([("KV.MATCH", NS, *hs), ("KV.MATCH", NS, hs[1])])
+        assert conn.receive_ready(2) is None
+        assert conn.receive_ready(2) is None  # asked again: still nothing, no wait
+        kv.gate.set()
+        while (got := conn.receive_ready(2)) is None:
+            assert select.select([conn._sock], [], [], 10)[0], "no reply in 10 s"
+        assert got == [1, 0]
+        assert conn.receive_ready(0) == []
+        assert conn.execute("KV.MATCH", NS, hs[0]) == 1

@@ -191,6 +191,47 @@ def test_command_buffers_keep_large_arguments_separate() -> None:
     assert b"$400000\r\n" + payload.tobytes() + b"\r\n" in wire
 
 
+def _wire_of(args: list[Any]) -> bytes:
+    """The general encoder's bytes for ``args`` (the reference of the chain fast path)."""
+    from kvstrata.protocol.encoder import encode_command
+
+    parts: list[Any] = []
+    encode_command([a if isinstance(a, str | bytes | int | float) else as_bytes_view(a)
+                    for a in args], parts)  # fmt: skip
+    return b"".join(bytes(p) for p in parts)
+
+
+def test_chain_fast_path_writes_what_the_general_encoder_writes() -> None:
+    """Commands carrying a chain of hashes are encoded by one join (``_chain_wire``): every
+    shape, chain or not, must come out byte for byte as the general encoder writes it."""
+    import random
+
+    from kvstrata.clients import resp
+
+    rng = random.Random(31)
+    chain_seen = 0
+    for case in range(400):
+        n = rng.choice([0, 1, 7, 8, 9, 30, 500])
+        size = rng.choice([1, 32, 36, 64])
+        run: list[Any] = [rng.randbytes(size) for _ in range(n)]
+        if n and case % 5 == 0:  # one odd one out: a different length, a str, a bytearray
+            odd = rng.choice([rng.randbytes(size + 1), "ab", bytearray(b"x" * size), 7])
+            run[rng.randrange(n)] = odd
+        tail = rng.choice([[], ["PREFETCH"], ["WITHTIERS", "PREFETCH"], ["TIER", "dram"],
+                           ["TTL", 5000], [b"\r\n"], [np.arange(5000, dtype=np.uint32)],
+                           ["a", "b", "c", "d", "e"]])  # fmt: skip
+        args = ["KV.MATCH", rng.choice(["ns", "vllm:m@b4096#ab", "é"]), *run, *tail]
+        fast = resp._chain_wire(args)
+        chain_seen += fast is not None
+        assert b"".join(bytes(b) for b in command_buffers(args)) == _wire_of(args), (n, tail)
+        if fast is not None:
+            assert fast == _wire_of(args)
+    assert chain_seen > 100  # the fast path was taken, not only the general one
+    hashes = [i.to_bytes(36, "big") for i in range(500)]
+    assert resp._chain_wire(["KV.MATCH", "ns", *hashes]) is not None
+    assert resp._chain_wire(["KV.MATCH", "ns", *hashes[:6]]) is None  # short: general path
+
+
 def test_payload_views() -> None:
     assert as_bytes_view(b"ab") == b"ab"
     assert bytes(as_bytes_view(np.array([1, 2], dtype="<u2"))) == b"\x01\x00\x02\x00"

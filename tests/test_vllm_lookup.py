@@ -35,6 +35,13 @@ def test_bound_forget_clear_and_off() -> None:
     hits.add([b"1", b"2", b"3"])
     hits.add([b"1", b"4"])  # 1 renewed: 2 is the oldest and leaves
     assert [hits.hit(k) for k in (b"1", b"2", b"3", b"4")] == [True, False, True, True]
+    many = RecentHits(60.0, 3, Clock())
+    many.add([b"a", b"b", b"c", b"d", b"e"])  # more than fit at once: the last 3 stay
+    many.add([b"c"])  # renewed: d is now the oldest
+    many.add([b"f"])
+    assert [many.hit(k) for k in (b"a", b"b", b"c", b"d", b"e", b"f")] == [
+        False, False, True, False, True, True,
+    ]  # fmt: skip
     hits.forget([b"3", b"nope"])
     assert not hits.hit(b"3") and hits.hit(b"4")
     hits.clear()
@@ -49,5 +56,9 @@ def test_bound_forget_clear_and_off() -> None:
 def test_group_chains_orders_each_kv_group_by_position() -> None:
     g0, g1 = (0).to_bytes(4, "big"), (1).to_bytes(4, "big")
     a, b, c = b"a" * 32 + g0, b"b" * 32 + g0, b"c" * 32 + g1
-    chain = {(g0, 32): b, (g0, 16): a, (g1, 16): c}
-    assert group_chains([b, c, a], chain) == [[a, b], [c]]
+    positions = {b: 32, a: 16, c: 16}
+    assert group_chains([b, c, a], positions) == [[a, b], [c]]
+    assert group_chains([a, b], positions) == [[a, b]]  # one group, in order
+    assert group_chains([b, a], positions) == [[a, b]]  # one group, reversed (sliding window)
+    d = b"d" * 32 + g0  # no position: first, the others keep their order
+    assert group_chains([b, d, a], positions) == [[d, a, b]]

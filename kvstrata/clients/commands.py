@@ -79,6 +79,17 @@ def hash_bytes(value: HashLike) -> bytes | bytearray | memoryview:
     return bytes.fromhex(value) if isinstance(value, str) else value
 
 
+_BINARY = frozenset((bytes, bytearray, memoryview))
+
+
+def chain_args(hashes: Sequence[HashLike]) -> Sequence[HashLike]:
+    """A chain of hashes as sent on the wire: as it is when no hash is hex text (one type
+    check per hash in C, not a Python call each: engines send chains of hundreds)."""
+    if isinstance(hashes, list | tuple) and set(map(type, hashes)) <= _BINARY:
+        return hashes
+    return tuple(map(hash_bytes, hashes))
+
+
 def _ttl(ttl_ms: int | None) -> tuple[Any, ...]:
     return () if ttl_ms is None else ("TTL", int(ttl_ms))
 
@@ -110,7 +121,7 @@ def mget(ns: str, hashes: Sequence[HashLike], outs: Sequence[Any] | None = None)
     """Payloads (or None) of several chunks; ``outs``: one buffer per hash."""
     if outs is not None and len(outs) != len(hashes):
         raise ValueError("one out buffer per hash")
-    return Call(("KV.MGET", ns, *map(hash_bytes, hashes)), _mget, list(outs) if outs else None)
+    return Call(("KV.MGET", ns, *chain_args(hashes)), _mget, list(outs) if outs else None)
 
 
 def _mget(reply: Any) -> list[Any]:
@@ -123,12 +134,12 @@ def _mget(reply: Any) -> list[Any]:
 def match(ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> Call[int]:
     """How many leading chunks of the chain are cached."""
     extra = ("PREFETCH",) if prefetch else ()
-    return Call(("KV.MATCH", ns, *map(hash_bytes, hashes), *extra), as_int)
+    return Call(("KV.MATCH", ns, *chain_args(hashes), *extra), as_int)
 
 
 def match_tiers(ns: str, hashes: Sequence[HashLike], prefetch: bool = False) -> Call[MatchResult]:
     extra = ("PREFETCH",) if prefetch else ()
-    return Call(("KV.MATCH", ns, *map(hash_bytes, hashes), "WITHTIERS", *extra), _match_tiers)
+    return Call(("KV.MATCH", ns, *chain_args(hashes), "WITHTIERS", *extra), _match_tiers)
 
 
 def _match_tiers(reply: Any) -> MatchResult:
@@ -165,7 +176,7 @@ def lease(
 ) -> Call[LeaseGrant | None]:
     """``tier`` ("gpu" or "dram"): where the handles should point; None: the server's default
     (gpu when it has a GPU tier)."""
-    args = ("KV.LEASE", ns, *map(hash_bytes, hashes), *_ttl(ttl_ms), *_tier(tier))
+    args = ("KV.LEASE", ns, *chain_args(hashes), *_ttl(ttl_ms), *_tier(tier))
     return Call(args, _lease)
 
 

@@ -16,6 +16,7 @@ from a URL) are shared by the sync and async clients.
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import threading
@@ -160,6 +161,7 @@ class SyncConnection:
         self._reader = ReplyReader(self._on_reply, self._peek_out, s.big_bulk)
         self.protocol = 2
         self.closed = False
+        self._poller: select.poll | None = None  # made by the first receive_ready
         self._sock = self._open()
         try:
             self._handshake()
@@ -232,6 +234,28 @@ class SyncConnection:
         returned, not raised)."""
         with self._closing_on_error():
             return self._read(count)
+
+    def receive_ready(self, count: int) -> list[Any] | None:
+        """The next ``count`` replies of commands sent with :meth:`send` when they have all
+        arrived, else None; never waits for the server (what has arrived is parsed and kept
+        for the next call). A scheduler polls its lookups with this instead of handing them
+        to a thread."""
+        with self._closing_on_error():
+            reader, sock, replies = self._reader, self._sock, self._replies
+            if self._poller is None:
+                self._poller = select.poll()  # poll, not select: any fd number
+                self._poller.register(sock, select.POLLIN)
+            while len(replies) < count:
+                # a socket with a timeout waits inside recv_into until bytes come: ask first
+                # (TLS: a record already decrypted is pending without the fd being readable)
+                tls_pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
+                if not tls_pending and not self._poller.poll(0):
+                    return None
+                n = sock.recv_into(reader.get_buffer())
+                if n == 0:
+                    raise ConnectionClosedError("server closed the connection")
+                reader.buffer_updated(n)
+            return [replies.popleft() for _ in range(count)]
 
     def _prepare(
         self, commands: Sequence[Sequence[Any]], outs: Sequence[OutSpec] | None

@@ -21,14 +21,16 @@ Quirks of vLLM 0.33 this module is written around:
 - The primary view is a 2-D ``memoryview`` (chunks × row bytes, int8) and ``view[c]`` raises
   ``NotImplementedError``: rows are reached through ``np.asarray(view)`` (:func:`rows_of`).
 - Every method runs under the tiering manager's lock, on the scheduler thread or its tier-poll
-  thread, and must not block: byte moves and ``KV.MATCH`` run on this tier's threads.
+  thread, and must not block: byte moves run on this tier's threads; ``KV.MATCH`` is written
+  by the scheduler's thread on its own connection and its reply read once it is there.
 - ``lookup`` is asked per key; the connector keeps scanning a request's chain while answers are
   ``RETRY``. A key this tier stored or saw matched in the last ``lookup_cache_s`` seconds is a
   ``HIT`` at once (:mod:`kvstrata.clients.vllm_lookup`: a stale one only makes the load miss).
   Otherwise the first pass over a request queues its keys and answers ``RETRY``;
   ``on_schedule_end`` sends the step's ``KV.MATCH`` es (one per request and KV group chain) in
-  one pipelined round trip; later passes answer ``HIT``/``MISS`` from that result, cached until
-  ``on_request_finished`` (:mod:`kvstrata.clients.vllm_requests`).
+  one pipelined write without waiting; later passes read the replies when they have arrived and
+  answer ``HIT``/``MISS`` from them, cached until ``on_request_finished``
+  (:mod:`kvstrata.clients.vllm_requests`).
 - Each job id must be reported once by ``get_finished_jobs``, which must never raise; a failed
   promotion reports the keys that did land in ``successful_keys``; ``drain_jobs`` waits for all.
 - The tier is built inside the ``Scheduler`` constructor, before the engine seeds its block
@@ -53,6 +55,7 @@ from typing import Any, ClassVar
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadKey
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from kvstrata.clients.connection import ConnectionSettings, SyncConnection
 from kvstrata.clients.sync import Client, settings_from_url
 from kvstrata.clients.vllm_io import ChunkMover, LoadMode, StoreItem, rows_of
 from kvstrata.clients.vllm_keys import shareable_hash_problem, vllm_namespace
@@ -171,6 +174,15 @@ class KvstrataTier(RequestLookups, SecondaryTierManager):
         self._matching: set[Future[None]] = set()
         self._hits = RecentHits(float(lookup_cache_s), int(lookup_cache_keys))
         self._hit = self._hits.hit
+        self._hit_until = self._hits.until
+        # the scheduler's own connection for KV.MATCH (vllm_requests): made on the lookup thread
+        self._timeout_s = float(timeout_s)
+        self._lookup_settings = ConnectionSettings(**settings, client_name=name)
+        self._lookup_conn: SyncConnection | None = None
+        self._connecting = False
+        self._sent: deque[Any] = deque()
+        self._next_poll = 0.0
+        self._connect_lookups_later()
         self._refused: str | None = None
         self._last_log = 0.0
         logger.info("KvstrataTier: %s, namespace %s", url.split("@")[-1], self.namespace)
@@ -197,9 +209,7 @@ class KvstrataTier(RequestLookups, SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         job = job_metadata
         state = self._requests.setdefault(job.req_context.req_id, RequestState())
-        for key in state.cached:
-            self._remember(state, key, job.req_context)
-        state.cached.clear()
+        self._link(state, job.req_context)
         items = []
         for key, row in zip(job.keys, job.chunk_ids, strict=True):
             end = self._remember(state, key, job.req_context)
@@ -292,7 +302,7 @@ class KvstrataTier(RequestLookups, SecondaryTierManager):
         return results
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs or self._finished or self._matching or self._matches)
+        return bool(self._jobs or self._finished or self._matching or self._matches or self._sent)
 
     def drain_jobs(self) -> None:
         wait(list(self._jobs.values()))
@@ -304,4 +314,5 @@ class KvstrataTier(RequestLookups, SecondaryTierManager):
                 self._finished.append(JobResult(job_id=job_id, success=False))
         for pool in (self._lookups, self._loads, self._stores):
             pool.shutdown(wait=True, cancel_futures=True)
+        self._close_lookups()
         self._mover.close()

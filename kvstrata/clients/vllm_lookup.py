@@ -1,8 +1,8 @@
 """The vLLM tier's memory of recent hits, so that a lookup can answer without a round trip.
 
 vLLM asks the tier about every key of a request's chain on the scheduler's path. Asking the
-server costs one ``KV.MATCH`` on the tier's lookup thread and at least one more scheduler step
-(the first scan answers ``RETRY``). Most lookups are of chunks this tier stored itself a moment
+server costs one ``KV.MATCH`` round trip and at least one more scheduler step (the first scan
+answers ``RETRY``). Most lookups are of chunks this tier stored itself a moment
 ago, or of a prefix another request just matched; :class:`RecentHits` remembers those keys for
 ``ttl_s`` seconds (at most ``max_keys``, the oldest leave first) and the tier answers ``HIT``
 from it at once.
@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from itertools import islice, repeat
+from operator import itemgetter
 
 __all__ = ["RecentHits", "group_chains"]
+
+_GROUP = itemgetter(slice(-4, None))  # an offload key's KV group index
 
 
 class RecentHits:
     """Keys known to be stored, each until ``ttl_s`` after it was last seen (thread-safe: the
-    tier's store and lookup threads add, the scheduler thread asks)."""
+    tier's store threads and the scheduler thread add, the scheduler thread asks; changes
+    hold the lock, a lookup is one ``dict.get``)."""
 
     __slots__ = ("_clock", "_keys", "_lock", "max_keys", "ttl_s")
 
@@ -39,7 +43,8 @@ class RecentHits:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
         self._clock = clock
-        self._keys: OrderedDict[bytes, float] = OrderedDict()  # key → expiry, oldest first
+        # key → expiry, oldest first: a plain dict (an OrderedDict inserts 40× slower)
+        self._keys: dict[bytes, float] = {}
         self._lock = threading.Lock()
 
     @property
@@ -53,13 +58,22 @@ class RecentHits:
         """The server holds ``keys`` now (a store succeeded, or a KV.MATCH said so)."""
         if not self.enabled:
             return
-        until = self._clock() + self.ttl_s
+        fresh = dict.fromkeys(keys, self._clock() + self.ttl_s)
+        known = self._keys
         with self._lock:
-            for key in keys:
-                self._keys[key] = until
-                self._keys.move_to_end(key)
-            while len(self._keys) > self.max_keys:
-                self._keys.popitem(last=False)
+            size = len(known)
+            known.update(fresh)  # in C, with no Python per key: a KV.MATCH adds hundreds
+            if len(known) - size < len(fresh):  # some were known: they move to the young end
+                known.update(zip(fresh, map(known.pop, fresh), strict=True))
+            excess = len(known) - self.max_keys
+            if excess > 0:  # the oldest leave (a dict keeps insertion order)
+                deque(map(known.pop, list(islice(known, excess))), maxlen=0)
+
+    @property
+    def until(self) -> Callable[[bytes], float | None]:
+        """``key`` → its expiry, or None when not remembered: the dict's own ``get`` (the
+        tier's lookup asks it first; most keys are not there, and this costs no Python call)."""
+        return self._keys.get
 
     def hit(self, key: bytes) -> bool:
         """True when ``key`` was seen stored less than ``ttl_s`` ago."""
@@ -76,8 +90,7 @@ class RecentHits:
     def forget(self, keys: Iterable[bytes]) -> None:
         """The server does not hold ``keys`` (a load or a KV.MATCH missed them)."""
         with self._lock:
-            for key in keys:
-                self._keys.pop(key, None)
+            deque(map(self._keys.pop, keys, repeat(None)), maxlen=0)
 
     def clear(self) -> None:
         """The server could not be reached: nothing is known any more."""
@@ -85,10 +98,22 @@ class RecentHits:
             self._keys.clear()
 
 
-def group_chains(keys: list[bytes], chain: dict[Any, bytes]) -> list[list[bytes]]:
-    """``keys`` cut into one chain per KV group (the key's last 4 bytes), in chain order."""
-    position = {key: end for (_, end), key in chain.items()}
-    groups: dict[bytes, list[bytes]] = {}
-    for key in keys:
-        groups.setdefault(key[-4:], []).append(key)
-    return [sorted(g, key=lambda k: position.get(k, 0)) for g in groups.values()]
+def group_chains(keys: list[bytes], positions: Mapping[bytes, int]) -> list[list[bytes]]:
+    """``keys`` cut into one chain per KV group (the key's last 4 bytes), each in chain order
+    (``positions``: key → end token; a key without one sorts first). A step's hundreds of
+    keys are usually one group already in order (vLLM scans a prompt's chunks from the first;
+    a sliding-window group from the last): that case runs in C, with no Python per key."""
+    if len(set(map(_GROUP, keys))) == 1:
+        groups = [keys]
+    else:
+        by_group: dict[bytes, list[bytes]] = {}
+        for key in keys:
+            by_group.setdefault(key[-4:], []).append(key)
+        groups = list(by_group.values())
+    chains = []
+    for group in groups:
+        pos = list(map(positions.get, group, repeat(0)))
+        if pos != sorted(pos):
+            group = list(map(group.__getitem__, sorted(range(len(group)), key=pos.__getitem__)))
+        chains.append(group)
+    return chains
