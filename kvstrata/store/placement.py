@@ -109,9 +109,18 @@ class Placement(Mover):
                 free += nbytes
         return free
 
+    @staticmethod
+    def filled(tier: Tier) -> int:
+        """What the tier holds once the writes it already counts land: its committed bytes
+        plus NVMe's writes in flight (``pending``; a write-back of a DRAM victim). The
+        demoter measures this, not ``used`` alone: a round started while write-backs are
+        in flight would otherwise leave too little room for them, and each would then make
+        room for itself."""
+        return tier.used + int(getattr(tier, "pending", 0))
+
     def above_high(self, tier: Tier) -> bool:
         landing = self.landing.get(tier.name, 0)
-        return _above_high(self.policy(tier.name), tier.capacity, tier.used, landing)
+        return _above_high(self.policy(tier.name), tier.capacity, self.filled(tier), landing)
 
     # -- index hook and victims ---------------------------------------------------------------
 
@@ -149,13 +158,13 @@ class Placement(Mover):
     async def evict_to(self, i: int, target_used: float, demoter: bool = False) -> bool:
         """Move chunks out of tier ``i`` until it uses at most ``target_used`` bytes."""
         tier = self.state.tiers[i]
-        while tier.used > target_used:
+        while self.filled(tier) > target_used:
             # when the demoter's rounds start and end is timing a replay needs (kvstrata.sim's
             # "demote" marks): under load they lag the writes, the tiers stay fuller
             if demoter:
                 self.state.trace("demote", "", (), to=tier.name)
             try:
-                if not await self._evict_round(i, int(tier.used - target_used)):
+                if not await self._evict_round(i, int(self.filled(tier) - target_used)):
                     return False
             finally:
                 if demoter:
