@@ -300,3 +300,30 @@ def test_promotion_in_flight_does_not_make_its_parent_a_victim() -> None:
             assert dram.used == 2 * SLOT  # b0, b1, c0 left, the least recently used leaves
 
     run(main())
+
+
+def test_demoter_counts_writes_in_flight() -> None:
+    """The demoter measures NVMe with its writes in flight (``pending``: write-backs still
+    landing): a tier whose committed chunks are under the high mark but whose pending writes
+    take it above is demoted, down to the low mark with those writes counted, so that they
+    find their room when they land."""
+    nvme = FakeTier("nvme", capacity=40 * SLOT)
+
+    async def main() -> None:
+        async with open_store([make_dram(64 * SLOT), nvme], start=False) as store:
+            hashes = chain(30, b"w")
+            for i, h in enumerate(hashes):
+                assert await store.put(NS, h, b"", blob(i))
+            assert await store.placement.make_room(0, 64 * SLOT)  # all of them go to NVMe
+            assert nvme.used == 30 * SLOT
+            placement, j = store.placement, store.state.tier_index("nvme")
+            assert not placement.above_high(nvme)  # 75 % used: under the 0.95 mark
+            nvme.pending = 9 * SLOT  # type: ignore[attr-defined]  (write-backs in flight)
+            assert placement.filled(nvme) == 39 * SLOT and placement.above_high(nvme)
+            await placement.enforce(j)
+            pol = placement.policy("nvme")
+            assert pol.low is not None
+            assert nvme.used + 9 * SLOT <= pol.low * nvme.capacity  # room for what lands
+            assert store.stats()["nvme"]["evictions"] >= 5
+
+    run(main())
