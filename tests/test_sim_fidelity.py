@@ -120,8 +120,10 @@ def test_issue_25_case_agrees(tmp_path: Path) -> None:
     chunks a turn, each turn KV.GET of its matched prefix, 160 turns. Within a turn the commands
     go back to back (the demoter lags the writes; its rounds are in the trace as ``demote``
     marks); between turns the server finishes its background work, as between an engine's
-    requests. Was 7–17.5 points apart (15–40 NVMe misses in the simulator, 0 on the server).
-    Now at most one read of its ~30 differs (0 in most runs here, 1 in some: 3 points)."""
+    requests. Was 7–17.5 points apart (15–40 NVMe misses in the simulator, 0 on the server);
+    then one read of its ~30 apart in some runs (3 points), until the server's demoter counted
+    NVMe's writes in flight (a round started while write-backs landed evicted too little, and
+    the replay, whose write-backs land at once, too much). Exact in 16 runs of 16 here."""
     trace = tmp_path / "trace.jsonl"
     values = {"dram-capacity": 4 << 20, "nvme-capacity": 16 << 20}
     srv = start_process_server(
@@ -146,13 +148,7 @@ def test_issue_25_case_agrees(tmp_path: Path) -> None:
     finally:
         srv.stop()
     assert stats["nvme"]["hits"] > 20 and stats["nvme"]["evictions"] > 100
-    # the case has only ~30 reads: one read is 3 points. Required: at most one read apart per
-    # tier (it was 15–40 NVMe misses apart); the 2-point bound holds when none differs.
-    sim = simulate(trace, values)
-    for tier in ("dram", "nvme"):
-        for counter in ("hits", "misses"):
-            got, want = sim.by_name[tier].counters.as_dict()[counter], stats[tier][counter]
-            assert abs(got - want) <= 1, (tier, counter, want, got, stats, sim.by_name)
+    compare(stats, simulate(trace, values), ["dram", "nvme"])  # (~30 reads: 1 read is 3 points)
 
 
 #: the family: seeds drawn once, each shape as ``simshapes.generate`` makes it (seed 6 has
