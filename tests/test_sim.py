@@ -307,12 +307,13 @@ def test_server_records_trace_without_payloads(make_server, tmp_path: Path) -> N
     assert events[10].to == "dram"
     # each read says which tier served it ("": a miss), so a replay can check itself per read
     assert [e.tier for e in events if e.op == "get"] == ["dram", "dram", ""]
+    assert events[6].found == ("dram",)  # the tier its one chunk was a read of
     sim = _sim(dram=64 << 20)
     from kvstrata.sim.replay import replay
 
     replay(sim, events)
     assert sim.by_name["dram"].counters.hits == 3  # GET, MGET's first hash, LEASE
-    assert sim.checked == {"reads": 3, "same": 3} and not sim.differ
+    assert sim.checked == {"reads": 4, "same": 4} and not sim.differ  # 3 gets, 1 leased
 
 
 def test_trace_file_is_a_config_key() -> None:
