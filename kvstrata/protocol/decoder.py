@@ -250,7 +250,7 @@ def _is_hex(b: bytes) -> bool:
 
 def _load_fast() -> Any:
     try:
-        from kvstrata.protocol import _cresp  # type: ignore[attr-defined]
+        from kvstrata.protocol import _cresp
     except ImportError:
         return None
     _cresp.set_error_class(ProtocolError)
