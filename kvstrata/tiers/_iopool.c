@@ -6,7 +6,8 @@
  *
  *   pool = Pool(threads)
  *   pool.fileno()                    -> the eventfd (readable while completions are waiting)
- *   pool.submit(tag, write, fd, offset, buffers)   -> None; all of buffers' bytes are moved
+ *   pool.submit(tag, write, fd, offset, buffers[, sync]) -> None: all of buffers' bytes
+ *                                    moved (a write with sync: then fdatasync(fd))
  *   pool.completions()               -> [(tag, result)]: bytes moved, or -errno
  *   pool.close()                     -> waits for the jobs queued and running, joins threads
  *
@@ -33,6 +34,7 @@ typedef struct job {
     struct job *next;
     Py_ssize_t tag;
     int write;
+    int sync;
     int fd;
     off_t offset;
     Py_ssize_t result;
@@ -83,6 +85,12 @@ static Py_ssize_t run_job(job_t *job) {
         if (left > 0 && rest) {
             iov->iov_base = (char *)iov->iov_base + rest;
             iov->iov_len -= rest;
+        }
+    }
+    if (job->write && job->sync) {
+        while (fdatasync(job->fd) < 0) {
+            if (errno != EINTR)
+                return -errno;
         }
     }
     return total;
@@ -221,7 +229,8 @@ static PyObject *Pool_submit(Pool *self, PyObject *args) {
     int write_, fd;
     long long offset;
     PyObject *bufs;
-    if (!PyArg_ParseTuple(args, "npiLO", &tag, &write_, &fd, &offset, &bufs))
+    int sync = 0;
+    if (!PyArg_ParseTuple(args, "npiLO|p", &tag, &write_, &fd, &offset, &bufs, &sync))
         return NULL;
     if (!self->threads || self->closing) {
         PyErr_SetString(PyExc_RuntimeError, "the I/O pool is closed");
@@ -252,6 +261,7 @@ static PyObject *Pool_submit(Pool *self, PyObject *args) {
     }
     job->tag = tag;
     job->write = write_;
+    job->sync = sync;
     job->fd = fd;
     job->offset = (off_t)offset;
     PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -321,7 +331,8 @@ static PyObject *Pool_close(Pool *self, PyObject *Py_UNUSED(ignored)) {
 
 static PyMethodDef Pool_methods[] = {
     {"submit", (PyCFunction)Pool_submit, METH_VARARGS,
-     "submit(tag, write, fd, offset, buffers): queue one preadv/pwritev of all the buffers"},
+     "submit(tag, write, fd, offset, buffers, sync=False): queue one preadv/pwritev of all "
+     "the buffers (a write with sync: then fdatasync)"},
     {"completions", (PyCFunction)Pool_completions, METH_NOARGS,
      "[(tag, bytes moved or -errno)] of the jobs finished since the last call"},
     {"fileno", (PyCFunction)Pool_fileno, METH_NOARGS, "the eventfd signalled on completions"},

@@ -40,6 +40,7 @@ from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_slab_scan
 from kvstrata.tiers._nvme_coalesce import SlotBatcher
 from kvstrata.tiers._nvme_config import NvmeConfig, prepare_folder
+from kvstrata.tiers._nvme_cpool import CSlotIO, usable
 from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt
 from kvstrata.tiers._nvme_format import WriteClock, file_bytes
 from kvstrata.tiers._nvme_io import PosixBackend, choose_backend
@@ -92,6 +93,9 @@ class NvmeTier(NvmeLayouts, Tier):
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstrata-nvme")
         always = config.fsync == "always"  # slot writes queued together share jobs and writes
         self._slot_writes = SlotBatcher(self._slabs, self._pool, config.io_threads, always)
+        self._cio: CSlotIO | None = None  # slot I/O without Python threads (``_nvme_cpool``)
+        if usable(self._slabs):
+            self._cio = CSlotIO(self._slabs, config.io_threads, self._pool, always)
         self._group = None
         if config.fsync == "batch":
             direct = isinstance(self.backend, PosixBackend) and self.backend.direct
@@ -303,6 +307,8 @@ class NvmeTier(NvmeLayouts, Tier):
         if self._closed:
             return
         self._closed = True
+        if self._cio is not None:
+            self._cio.close()
         self._pool.shutdown(wait=True)
         if self._group is not None:
             self._group.close()
