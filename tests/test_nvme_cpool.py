@@ -80,6 +80,8 @@ def test_same_bytes_on_disk_and_same_reads_both_ways(
     def write_all(root: Path, c_path: bool) -> None:
         async def body(tier: NvmeTier) -> None:
             assert uses_c(tier) is c_path
+            if tier._cio is not None:  # ``always``: every C write job ends with fdatasync
+                assert tier._cio._sync is (fsync == "always")
             calls = await _c_calls(tier) if c_path else []
             for meta, data in items:  # one at a time: the same slot order both ways
                 await tier.put(meta, aligned(data))
@@ -310,3 +312,20 @@ def test_the_pool_itself_short_reads_errors_and_batched_completions(tmp_path: Pa
     assert path.read_bytes()[10_000:] == (b"a" * 60 + b"b" * 40) * 20
     with pytest.raises(RuntimeError):
         pool.submit(1, True, 0, 0, [b"x"])
+
+
+def test_the_pools_sync_flag_runs_fdatasync_after_the_write() -> None:
+    assert _nvme_cpool.Pool is not None
+    pool = _nvme_cpool.Pool(1)
+    fd = os.open(os.devnull, os.O_WRONLY)  # writes succeed, fdatasync fails (EINVAL)
+    try:
+        pool.submit(1, True, fd, 0, [b"abc"])
+        pool.submit(2, True, fd, 0, [b"abc"], True)
+        got: dict[int, int] = {}
+        while len(got) < 2:
+            assert select.select([pool.fileno()], [], [], 10)[0], "no completion in 10 s"
+            got.update(pool.completions())
+        assert got == {1: 3, 2: -errno.EINVAL}
+    finally:
+        pool.close()
+        os.close(fd)

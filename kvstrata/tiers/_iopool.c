@@ -18,7 +18,6 @@
 #include <Python.h>
 
 #include <errno.h>
-#include <sched.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -54,7 +53,6 @@ typedef struct {
     int nthreads;
     int efd;
     int closing;
-    int batch; /* workers run SCHED_BATCH: waking one does not preempt the loop's thread */
     Py_ssize_t outstanding; /* submitted and not yet taken by completions() */
 } Pool;
 
@@ -100,10 +98,6 @@ static Py_ssize_t run_job(job_t *job) {
 
 static void *worker(void *arg) {
     Pool *self = (Pool *)arg;
-    if (self->batch) {
-        struct sched_param param = {0};
-        pthread_setschedparam(pthread_self(), SCHED_BATCH, &param); /* a hint: failure is fine */
-    }
     for (;;) {
         pthread_mutex_lock(&self->lock);
         while (!self->queue_head && !self->closing)
@@ -178,9 +172,9 @@ static void stop_threads(Pool *self) {
 }
 
 static int Pool_init(Pool *self, PyObject *args, PyObject *kwds) {
-    static char *kw[] = {"threads", "batch", NULL};
-    int n = 4, batch = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|ip", kw, &n, &batch))
+    static char *kw[] = {"threads", NULL};
+    int n = 4;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|i", kw, &n))
         return -1;
     if (n < 1 || n > 256) {
         PyErr_SetString(PyExc_ValueError, "threads must be 1..256");
@@ -190,7 +184,6 @@ static int Pool_init(Pool *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "Pool already initialised");
         return -1;
     }
-    self->batch = batch;
     pthread_mutex_init(&self->lock, NULL);
     pthread_cond_init(&self->wake, NULL);
     self->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
