@@ -78,6 +78,12 @@ class SlotBatcher:
         self._queued: deque[SlotJob] = deque()
         self._draining = 0  # drain jobs submitted and not yet finished
 
+    @property
+    def busy(self) -> bool:
+        """A drain job is submitted or running (writes are queueing: the C pool leaves them
+        to it, as taking them together costs less than a C job each)."""
+        return self._draining > 0
+
     async def write(self, meta: ChunkMeta, payload: memoryview) -> Written:
         """Write the chunk to a slot: (stored meta, slot). OSError and IntegrityError as
         :meth:`Slabs.write`; TierUnavailable once the pool is shut down. A put cancelled while

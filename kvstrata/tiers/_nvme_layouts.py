@@ -56,7 +56,9 @@ class NvmeLayouts(NvmeJobs):
             return stored, None
         self._check_open()
         try:
-            done = await self._cio.write(meta, payload) if self._cio is not None else None
+            done = None
+            if self._cio is not None and not self._slot_writes.busy:
+                done = await self._cio.write(meta, payload)
             stored, ref = done or await self._slot_writes.write(meta, payload)
         except OSError as exc:
             raise self._io_error("write", exc) from exc
