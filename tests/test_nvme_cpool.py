@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvstrata.chunks import ChunkMeta
-from kvstrata.tiers import _nvme_cpool
+from kvstrata.tiers import _nvme_coalesce, _nvme_cpool
 from kvstrata.tiers._nvme_slabs import SLAB_DIR
 from kvstrata.tiers.base import IntegrityError, TierIOError
 from kvstrata.tiers.nvme import NvmeTier
@@ -126,6 +126,30 @@ def test_restart_reads_what_the_other_path_wrote(
         if writer_c:
             m.setattr(_nvme_cpool, "Pool", None)
         run(tmp_path, check, fsync="never")
+
+
+def test_writes_piling_up_are_left_to_the_coalescing_drains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    items = [chunk(i, 200_000, seed=11) for i in range(64)]
+    runs: list[int] = []
+    real = _nvme_coalesce._write_run
+
+    def write_run(slabs: Any, run_: list[Any]) -> None:
+        runs.append(len(run_))
+        real(slabs, run_)
+
+    monkeypatch.setattr(_nvme_coalesce, "_write_run", write_run)
+
+    async def body(tier: NvmeTier) -> None:
+        calls = await _c_calls(tier)
+        await asyncio.gather(*(tier.put(m, aligned(d)) for m, d in items))  # an eviction round
+        assert calls.count("w") < len(items) // 2  # most taken by the drains
+        assert max(runs) > 1  # queued writes were taken together
+        got = await asyncio.gather(*(read_aligned(tier, m) for m, _ in items))
+        assert got == [d for _, d in items]
+
+    run(tmp_path, body, fsync="never", io_threads=2)
 
 
 def test_a_failed_write_fails_only_its_own_put(tmp_path: Path) -> None:

@@ -80,9 +80,9 @@ class SlotBatcher:
 
     @property
     def busy(self) -> bool:
-        """A drain job is submitted or running (writes are queueing: the C pool leaves them
-        to it, as taking them together costs less than a C job each)."""
-        return self._draining > 0
+        """Writes wait in the queue for a drain (they are piling up: the C pool leaves new
+        ones to it too, as taken together they cost less than a C job each)."""
+        return bool(self._queued)
 
     async def write(self, meta: ChunkMeta, payload: memoryview) -> Written:
         """Write the chunk to a slot: (stored meta, slot). OSError and IntegrityError as

@@ -13,12 +13,13 @@ zero-padded through a block of this module's own aligned buffer. What runs on th
 what is cheap: the checksum (xxh3, ~20 µs per 256 KiB), the header, taking a slot the slab
 files have room for already. Everything else goes the pool way, as before: a slot that needs a
 slab file grown or created, a payload or buffer that is not 4096-aligned, the buffered and
-kvikio backends, and writes while ``threads`` I/Os are in the C pool already or while
-:class:`SlotBatcher` is draining a queue (writes are piling up, as in an eviction round: taken
-together there, one ``pwritev`` per run of adjacent slots, they cost less than a C job each). ``nvme-fsync always``: the C job's
-``fdatasync`` comes before the put is acknowledged. A put or get cancelled while its I/O runs
-leaves it to finish (its buffers are held until then); a slot written for a cancelled put is
-freed once written. ``close()`` waits for the jobs queued and running.
+kvikio backends, and writes while ``threads`` I/Os are in the C pool already or while writes
+wait in :class:`SlotBatcher`'s queue (they are piling up, as in an eviction round: taken
+together there, one ``pwritev`` per run of adjacent slots, they cost less than a C job each).
+``nvme-fsync always``: the C job's ``fdatasync`` comes before the put is acknowledged. A put
+or get cancelled while its I/O runs leaves it to finish (its buffers are held until then); a
+slot written for a cancelled put is freed once written. ``close()`` waits for the jobs queued
+and running.
 
 Chosen at run time: without the extension (``_iopool`` not built) the tier uses the pool path.
 """
