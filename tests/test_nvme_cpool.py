@@ -353,3 +353,22 @@ def test_the_pools_sync_flag_runs_fdatasync_after_the_write() -> None:
     finally:
         pool.close()
         os.close(fd)
+
+
+def test_a_payload_not_matching_its_checksum_takes_no_slot(tmp_path: Path) -> None:
+    (meta, data), (first, fdata) = chunk(1, 200_000), chunk(2, 200_000)
+
+    async def body(tier: NvmeTier) -> None:
+        await tier.put(first, aligned(fdata))  # the slab file exists: the next write is C's
+        calls = await _c_calls(tier)
+        spare = tier._slabs.spare_bytes()
+        wrong = bytearray(data)
+        wrong[7] ^= 1
+        with pytest.raises(IntegrityError):
+            await tier.put(meta, aligned(bytes(wrong)))
+        assert calls == [] and tier._slabs.spare_bytes() == spare  # no write, no slot held
+        assert meta.key not in tier._index and tier.stats.integrity_errors == 1
+        await tier.put(meta, aligned(data))
+        assert calls == ["w"] and await read_aligned(tier, meta) == data
+
+    run(tmp_path, body, fsync="never")

@@ -125,10 +125,14 @@ class CSlotIO:
         size = slabs.slot_size(meta.size)
         if not self._free:
             return None
-        stored = slabs.stored(meta, payload)  # IntegrityError: before any slot is taken
         ref = slabs.take_ready(size)
         if ref is None:
             return None
+        try:
+            stored = slabs.stored(meta, payload)
+        except BaseException:  # IntegrityError: the slot was never written, free as it is
+            slabs.release(ref)
+            raise
         loop = self._attach()
         pair = self._pair()
         assert pair is not None  # checked above, and nothing awaited since

@@ -12,9 +12,12 @@ slot) and raises :class:`IntegrityError` — wrong bytes never leave.
 
 I/O runs on a bounded thread pool (``io_threads``) through one of two backends with the same
 format: kvikio (when ``import kvikio`` works and CUDA is usable) or POSIX (O_DIRECT when the
-filesystem allows it, buffered otherwise). ``scan()`` rebuilds the index from headers at start:
-chunk files (also those of versions before slabs: served, and replaced by a slot when the chunk
-is written again or evicted — never migrated in the background) and slab slots.
+filesystem allows it, buffered otherwise); with the ``_iopool`` extension built, O_DIRECT slab
+slot reads and writes go through a C pool of POSIX threads instead (``_nvme_cpool``: no GIL,
+completions through an eventfd on the loop; the same bytes on disk). ``scan()`` rebuilds the
+index from headers at start: chunk files (also those of versions before slabs: served, and
+replaced by a slot when the chunk is written again or evicted — never migrated in the
+background) and slab slots.
 
 ``used`` counts the disk space of committed chunks: a file's 4096-byte header plus the payload
 rounded up to 4096, or the size of its slot; writes in flight count against ``capacity`` too.
