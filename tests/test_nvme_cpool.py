@@ -199,7 +199,7 @@ def test_a_failed_read_is_an_io_error_and_the_chunk_stays(tmp_path: Path) -> Non
     meta, data = chunk(1, 200_000)
 
     async def body(tier: NvmeTier) -> None:
-        assert tier._cio is not None
+        assert tier._cio is not None and tier.info()["slot_io"] == "c"
         await tier.put(meta, aligned(data))
         real = tier._cio._submit
 
@@ -298,7 +298,7 @@ def test_without_the_extension_the_tier_takes_the_pool_path(
     meta, data = chunk(9, 8192)
 
     async def body(tier: NvmeTier) -> None:
-        assert tier._cio is None
+        assert tier._cio is None and tier.info()["slot_io"] == "threads"
         await tier.put(meta, aligned(data))
         assert await read_aligned(tier, meta) == data
 

@@ -53,6 +53,7 @@ typedef struct {
     int nthreads;
     int efd;
     int closing;
+    int inited; /* lock and condition initialised */
     Py_ssize_t outstanding; /* submitted and not yet taken by completions() */
 } Pool;
 
@@ -180,12 +181,13 @@ static int Pool_init(Pool *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "threads must be 1..256");
         return -1;
     }
-    if (self->threads || self->efd > 0) {
+    if (self->inited) {
         PyErr_SetString(PyExc_RuntimeError, "Pool already initialised");
         return -1;
     }
     pthread_mutex_init(&self->lock, NULL);
     pthread_cond_init(&self->wake, NULL);
+    self->inited = 1;
     self->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (self->efd < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
@@ -219,8 +221,10 @@ static void Pool_dealloc(Pool *self) {
     self->done_head = self->done_tail = NULL;
     if (self->efd >= 0)
         close(self->efd);
-    pthread_mutex_destroy(&self->lock);
-    pthread_cond_destroy(&self->wake);
+    if (self->inited) {
+        pthread_mutex_destroy(&self->lock);
+        pthread_cond_destroy(&self->wake);
+    }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -291,6 +295,8 @@ static PyObject *Pool_submit(Pool *self, PyObject *args) {
 
 static PyObject *Pool_completions(Pool *self, PyObject *Py_UNUSED(ignored)) {
     uint64_t count;
+    if (!self->inited)
+        return PyList_New(0);
     if (self->efd >= 0)
         while (read(self->efd, &count, sizeof count) < 0 && errno == EINTR)
             ;

@@ -298,6 +298,7 @@ class NvmeTier(NvmeLayouts, Tier):
             "slab_files": self._slabs.count(),
             "slab_chunks": len(self._where),
             "slab_spare": self._slabs.spare_bytes(),
+            "slot_io": "c" if self._cio is not None else "threads",
             "slots_invalid": self.stats.extra["slots_invalid"],
             "last_error": self.last_error,
             "rebuild_chunks": report.chunks if report else 0,
