@@ -1,5 +1,6 @@
 """Builds the optional C extensions (the request scanner, the small-command path, the rANS
-coder of the lossless codecs, the client's fused copy and checksum); kvstrata falls back to
+coder of the lossless codecs, the client's fused copy and checksum, the NVMe tier's
+I/O pool); kvstrata falls back to
 pure Python (or zstd) without them."""
 
 import platform
@@ -42,6 +43,12 @@ setup(
             sources=_COPYSUM_SOURCES,
             depends=[f"{_XXH}/xxhash.h", f"{_XXH}/xxh_x86dispatch.h"],
             define_macros=_COPYSUM_MACROS,
+            optional=True,
+            extra_compile_args=["-O2"],
+        ),
+        Extension(
+            "kvstrata.tiers._iopool",
+            sources=["kvstrata/tiers/_iopool.c"],
             optional=True,
             extra_compile_args=["-O2"],
         ),

@@ -15,12 +15,18 @@ from typing import Any
 
 import pytest
 
-from kvstrata.tiers import _nvme_coalesce
+from kvstrata.tiers import _nvme_coalesce, _nvme_cpool
 from kvstrata.tiers.base import TierIOError
 from kvstrata.tiers.nvme import NvmeTier
 from tests.test_nvme_slabs import chunk, read, run, slab_files
 
 SIZES = [8192, 10_000, 4096, 200_000, 262_144]  # slot-filling and smaller than their class
+
+
+@pytest.fixture(autouse=True)
+def _pool_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These test the pool path's batching: the C pool (``_nvme_cpool``) stays out."""
+    monkeypatch.setattr(_nvme_cpool, "Pool", None)
 
 
 def aligned(data: bytes) -> memoryview:

@@ -78,6 +78,12 @@ class SlotBatcher:
         self._queued: deque[SlotJob] = deque()
         self._draining = 0  # drain jobs submitted and not yet finished
 
+    @property
+    def busy(self) -> bool:
+        """Writes wait in the queue for a drain (they are piling up: the C pool leaves new
+        ones to it too, as taken together they cost less than a C job each)."""
+        return bool(self._queued)
+
     async def write(self, meta: ChunkMeta, payload: memoryview) -> Written:
         """Write the chunk to a slot: (stored meta, slot). OSError and IntegrityError as
         :meth:`Slabs.write`; TierUnavailable once the pool is shut down. A put cancelled while

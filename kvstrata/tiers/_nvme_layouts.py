@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers._nvme_coalesce import SlotBatcher
 from kvstrata.tiers._nvme_config import NvmeConfig
+from kvstrata.tiers._nvme_cpool import CSlotIO
 from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt
 from kvstrata.tiers._nvme_jobs import NvmeJobs
 from kvstrata.tiers._nvme_slabs import Slabs, SlotMismatch, SlotRef
@@ -33,6 +34,7 @@ class NvmeLayouts(NvmeJobs):
     _files: ChunkFiles
     _slabs: Slabs
     _slot_writes: SlotBatcher
+    _cio: CSlotIO | None
     _group: GroupSync | None
     _index: dict[ChunkKey, ChunkMeta]
     _where: dict[ChunkKey, SlotRef]
@@ -54,7 +56,10 @@ class NvmeLayouts(NvmeJobs):
             return stored, None
         self._check_open()
         try:
-            stored, ref = await self._slot_writes.write(meta, payload)
+            done = None
+            if self._cio is not None and not self._slot_writes.busy:
+                done = await self._cio.write(meta, payload)
+            stored, ref = done or await self._slot_writes.write(meta, payload)
         except OSError as exc:
             raise self._io_error("write", exc) from exc
         if self._group is not None:
@@ -88,7 +93,8 @@ class NvmeLayouts(NvmeJobs):
         meanwhile, that slot is read instead; a chunk deleted meanwhile is a plain miss."""
         for _ in range(SLOT_READ_TRIES):
             try:
-                return await self._run(self._slabs.read, key, ref, dst, meta)
+                got = await self._cio_read(key, ref, dst, meta)
+                return got or await self._run(self._slabs.read, key, ref, dst, meta)
             except SlotMismatch as exc:
                 current = self._where.get(key)
                 if current is ref:
@@ -100,6 +106,18 @@ class NvmeLayouts(NvmeJobs):
                     break
                 ref, meta = current, self._index[key]
         raise FileNotFoundError(key.hex)
+
+    async def _cio_read(
+        self, key: ChunkKey, ref: SlotRef, dst: memoryview, meta: ChunkMeta
+    ) -> ChunkMeta | None:
+        """A slot read through the C pool (None: the pool way); errors as ``_run``'s."""
+        if self._cio is None:
+            return None
+        self._check_open()
+        try:
+            return await self._cio.read(key, ref, dst, meta)
+        except OSError as exc:
+            raise self._io_error("read", exc) from exc
 
     async def _drop_late(self, keys: list[ChunkKey], refs: list[SlotRef]) -> None:
         """Drop the stale copies the start-up rebuild found: slots of chunks written while it

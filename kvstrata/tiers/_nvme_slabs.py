@@ -163,6 +163,16 @@ class Slabs:
         with self._lock:
             return self._take(slot_size)
 
+    def take_ready(self, slot_size: int) -> SlotRef | None:
+        """A slot the files have room for already (free or fresh), None when taking one would
+        grow a slab file or make a new one (blocking work: the caller uses the pool then)."""
+        with self._lock:
+            slab = self._growing.get(slot_size)
+            ready = slab is not None and slab.fresh < min(slab.grown, slab.max_slots)
+            if not self._free.get(slot_size) and not ready:
+                return None
+            return self._take(slot_size)
+
     def allocate_many(self, slot_size: int, n: int) -> tuple[list[SlotRef], OSError | None]:
         """Up to ``n`` slots under one hold of the lock (fresh ones are then adjacent), and
         the error that stopped it short (a slab file that could not grow), if any."""
@@ -280,6 +290,13 @@ class Slabs:
         does not hold exactly that chunk (generation, key, size, checksums)."""
         slab = self.slabs[ref.slab]
         block, got = self.backend.read_at(slab.fd, slab.path, ref.offset, out[: want.size])
+        return self.verify(key, ref, want, block, got, out)
+
+    def verify(
+        self, key: ChunkKey, ref: SlotRef, want: ChunkMeta, block: bytes, got: int, out: memoryview
+    ) -> ChunkMeta:
+        """The checks of :meth:`read` on a slot read (header block, payload bytes read into
+        ``out``); :class:`SlotMismatch` when it is not exactly the chunk expected."""
         try:
             header = decode_header(block)
         except BadHeader as exc:

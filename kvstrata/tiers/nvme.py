@@ -12,9 +12,12 @@ slot) and raises :class:`IntegrityError` — wrong bytes never leave.
 
 I/O runs on a bounded thread pool (``io_threads``) through one of two backends with the same
 format: kvikio (when ``import kvikio`` works and CUDA is usable) or POSIX (O_DIRECT when the
-filesystem allows it, buffered otherwise). ``scan()`` rebuilds the index from headers at start:
-chunk files (also those of versions before slabs: served, and replaced by a slot when the chunk
-is written again or evicted — never migrated in the background) and slab slots.
+filesystem allows it, buffered otherwise); with the ``_iopool`` extension built, O_DIRECT slab
+slot reads and writes go through a C pool of POSIX threads instead (``_nvme_cpool``: no GIL,
+completions through an eventfd on the loop; the same bytes on disk). ``scan()`` rebuilds the
+index from headers at start: chunk files (also those of versions before slabs: served, and
+replaced by a slot when the chunk is written again or evicted — never migrated in the
+background) and slab slots.
 
 ``used`` counts the disk space of committed chunks: a file's 4096-byte header plus the payload
 rounded up to 4096, or the size of its slot; writes in flight count against ``capacity`` too.
@@ -40,6 +43,7 @@ from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.tiers import _nvme_slab_scan
 from kvstrata.tiers._nvme_coalesce import SlotBatcher
 from kvstrata.tiers._nvme_config import NvmeConfig, prepare_folder
+from kvstrata.tiers._nvme_cpool import CSlotIO, usable
 from kvstrata.tiers._nvme_files import ChunkFiles, Corrupt
 from kvstrata.tiers._nvme_format import WriteClock, file_bytes
 from kvstrata.tiers._nvme_io import PosixBackend, choose_backend
@@ -92,6 +96,9 @@ class NvmeTier(NvmeLayouts, Tier):
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstrata-nvme")
         always = config.fsync == "always"  # slot writes queued together share jobs and writes
         self._slot_writes = SlotBatcher(self._slabs, self._pool, config.io_threads, always)
+        self._cio: CSlotIO | None = None  # slot I/O without Python threads (``_nvme_cpool``)
+        if usable(self._slabs):
+            self._cio = CSlotIO(self._slabs, config.io_threads, self._pool, always)
         self._group = None
         if config.fsync == "batch":
             direct = isinstance(self.backend, PosixBackend) and self.backend.direct
@@ -291,6 +298,7 @@ class NvmeTier(NvmeLayouts, Tier):
             "slab_files": self._slabs.count(),
             "slab_chunks": len(self._where),
             "slab_spare": self._slabs.spare_bytes(),
+            "slot_io": "c" if self._cio is not None else "threads",
             "slots_invalid": self.stats.extra["slots_invalid"],
             "last_error": self.last_error,
             "rebuild_chunks": report.chunks if report else 0,
@@ -303,6 +311,8 @@ class NvmeTier(NvmeLayouts, Tier):
         if self._closed:
             return
         self._closed = True
+        if self._cio is not None:
+            self._cio.close()
         self._pool.shutdown(wait=True)
         if self._group is not None:
             self._group.close()
