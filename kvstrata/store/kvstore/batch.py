@@ -111,21 +111,27 @@ def slot_unit(writes: WritePath) -> int:
 
 
 def check_room(
-    writes: WritePath, ns: str, items: Sequence[BatchItem], keys: Sequence[ChunkKey] = ()
+    writes: WritePath,
+    ns: str,
+    items: Sequence[BatchItem],
+    keys: Sequence[ChunkKey] = (),
+    found: Sequence[object] = (),
 ) -> None:
     """Refuse with -OOM, before anything is evicted, a DRAM batch whose new slots exceed what
     evicting every chunk that may leave would free (leased, pinned, moving and fenced chunks
     and other reservations stay): making room for it would empty DRAM and still fail.
-    ``keys``: the items' chunk keys when the caller made them already."""
+    ``keys``: the items' chunk keys when the caller made them already; ``found``: their
+    ``state.live`` records, looked up just now."""
     dram = writes.state.dram
     if not isinstance(dram, ArenaTier):
         return
-    live = writes.state.live
-    keys = keys or [ChunkKey(ns, item.hash) for item in items]
+    if not found:
+        live = writes.state.live
+        keys = keys or [ChunkKey(ns, item.hash) for item in items]
+        found = [live(key) for key in keys]
+    slot_size = dram.slot_size
     need = sum(
-        dram.slot_size(item.nbytes)
-        for item, key in zip(items, keys, strict=True)
-        if live(key) is None
+        slot_size(item.nbytes) for item, rec in zip(items, found, strict=True) if rec is None
     )
     if need <= dram.largest_free():
         return  # fits without evicting anything
@@ -147,30 +153,39 @@ async def reserve_batch(
     ttl_ms: int,
     tier: str | None = None,
     holder: Holder = NO_HOLDER,
+    keys: Sequence[ChunkKey] = (),
 ) -> BatchReservation:
     """Reserve a slot for each chunk of the chain ``items`` (the first one's parent is
-    ``parent``, each next one's the one before it) that is neither stored nor being written."""
+    ``parent``, each next one's the one before it) that is neither stored nor being written.
+    ``keys``: the items' chunk keys, given by a caller that ran :func:`check_batch` on
+    ``items`` already (``KVStore.reserve_batch``)."""
     state = writes.state
     limit = writes.slot_limit(tier)
     for item in items:
         if not 0 < item.nbytes <= limit:
             raise CommandError(f"invalid nbytes: must be 1 to {limit} (the tier's size)")
-    check_batch(items, parent, limit, slot_unit(writes))
-    keys = [ChunkKey(ns, item.hash) for item in items]
+    if not keys:
+        check_batch(items, parent, limit, slot_unit(writes))
+        keys = [ChunkKey(ns, item.hash) for item in items]
+    # the chunks stored now, found once for the room check and the loop; valid until the loop
+    # first awaits (another writer may publish one of them meanwhile: looked up again then)
+    found = [state.live(key) for key in keys]
     if tier != "gpu":
-        check_room(writes, ns, items, keys)
+        check_room(writes, ns, items, keys, found)
     reserved: list[ReservedChunk] = []
     entries: list[Handle | str] = []
     live, claim = state.live, state.claim
+    awaited = False
     try:
         for i, (item, key) in enumerate(zip(items, keys, strict=True)):
-            if live(key) is not None:
+            if (live(key) if awaited else found[i]) is not None:
                 entries.append(EXISTS)
             elif not claim(key):
                 entries.append(BUSY)
             else:
                 chunk = _reserve_now(writes, i, key, parent, tokens, item.nbytes, tier)
                 if chunk is None:  # no room now, or the GPU pool: in turn, as KV.RESERVE does
+                    awaited = True
                     chunk = await _reserve_one(writes, i, key, parent, tokens, item.nbytes, tier)
                 reserved.append(chunk)
                 entries.append(chunk.handle)
