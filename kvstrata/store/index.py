@@ -194,7 +194,7 @@ class ChunkIndex:
             pkey = ChunkKey(key.namespace, rec.parent)  # made and hashed once for both uses
             self._children.setdefault(pkey, set()).add(key.hash)
             parent = self._records.get(pkey)
-        tiers = list(rec.tiers)
+        tiers = rec.tiers  # (a set: no tier twice) each added in turn to a fresh one
         rec.tiers = set()
         for tier in tiers:  # add_tier of a record just indexed, its parent known
             if tier not in rec.tiers:

@@ -266,7 +266,11 @@ async def kv_mreserve(ctx: Ctx, args: Args) -> Reply:
     res = await store.reserve_batch(
         ns, parent, items, tokens, opts.get(b"TTL"), opts.get(b"TIER"), holder_of(ctx),
     )  # fmt: skip
-    entries = [Simple(e.encode()) if isinstance(e, str) else _handle(e) for e in res.entries]
+    # each slot a tuple (the same RESP array as a list): the reply's pin scan skips tuples
+    entries = [
+        Simple(e.encode()) if type(e) is str else (e.region, e.offset, e.length, e.instance)
+        for e in res.entries
+    ]
     return [None if res.lease is None else res.lease.id, entries]
 
 

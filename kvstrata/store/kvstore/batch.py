@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.protocol.errors import CommandError, OutOfMemoryError, RespError
+from kvstrata.store.index import ChunkRecord
 from kvstrata.store.kvstore.sink import StoreSink
 from kvstrata.store.kvstore.write import WritePath
 from kvstrata.store.leases import (
@@ -345,7 +346,14 @@ def _publish_now(writes: WritePath, chunk: ReservedChunk, claim: bytes | None) -
     except Exception:
         state.trace("del", key.namespace, [key.hash])
         raise
-    writes._publish(meta, placed, None, sink, verified, kick=False)
+    # WritePath._publish of a record with no TTL, its steps in the same order, inlined
+    rec = ChunkRecord(key, meta.parent, meta.tokens, meta.size, csum, meta.codec, verified)
+    rec.tiers = set(placed)
+    state.publish(rec)
+    sink.committed()  # the slot belongs to the chunk now; the key is free again
+    counters = state.counters
+    for name in placed:
+        counters[name].bytes_in += meta.size
 
 
 async def commit_lease(
