@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
 
