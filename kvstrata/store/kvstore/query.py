@@ -45,7 +45,7 @@ def check_link(
     ``key``: ``ChunkKey(ns, hash)`` when the caller has made it already."""
     if key is None:
         key = ChunkKey(ns, hash)
-    rec = index._records.get(key)  # (index.get, inlined: once per chunk of a KV.MRESERVE)
+    rec = index.get(key)
     if rec is not None and rec.parent == parent:
         return  # the same link again (a re-PUT): no climb up the chain
     if index.makes_cycle(key, parent):
