@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
 
@@ -96,6 +97,9 @@ def record_from_meta(meta: ChunkMeta, expire_at: int | None = None) -> ChunkReco
 ChangeHook = Callable[[ChunkRecord, str], None]
 #: (record, tier, +1 entered / -1 left)
 ResidencyHook = Callable[[ChunkRecord, str, int], None]
+
+
+_LOOK_UP: Any = object()  # _residency's parent: not given, look it up
 
 
 def _noop(rec: ChunkRecord, tier: str) -> None:
@@ -185,12 +189,19 @@ class ChunkIndex:
                 for tier in child.tiers:
                     counts[tier] = counts.get(tier, 0) + 1
         rec.child_res = counts
+        parent = None
         if rec.parent:
-            self._children.setdefault(ChunkKey(key.namespace, rec.parent), set()).add(key.hash)
-        tiers = list(rec.tiers)
+            pkey = ChunkKey(key.namespace, rec.parent)  # made and hashed once for both uses
+            self._children.setdefault(pkey, set()).add(key.hash)
+            parent = self._records.get(pkey)
+        tiers = rec.tiers  # (a set: no tier twice) each added in turn to a fresh one
         rec.tiers = set()
-        for tier in tiers:
-            self.add_tier(rec, tier)
+        for tier in tiers:  # add_tier of a record just indexed, its parent known
+            if tier not in rec.tiers:
+                rec.tiers.add(tier)
+                self._residency(rec, tier, +1, parent)
+                parent = _LOOK_UP  # a hook may have changed the index meanwhile
+                self.on_change(rec, tier)
 
     def remove(self, rec: ChunkRecord) -> None:
         """Take a record out of the index; ``rec.tiers`` still says where its copies are."""
@@ -232,12 +243,16 @@ class ChunkIndex:
         else:
             rec.tiers.discard(tier)
 
-    def _residency(self, rec: ChunkRecord, tier: str, delta: int) -> None:
+    def _residency(
+        self, rec: ChunkRecord, tier: str, delta: int, parent: Any = _LOOK_UP
+    ) -> None:
+        """``parent``: the record's parent record (or None) when the caller has it."""
         if self.on_residency is not None:
             self.on_residency(rec, tier, delta)
         self.count_in[tier] = self.count_in.get(tier, 0) + delta
         self.bytes_in[tier] = self.bytes_in.get(tier, 0) + delta * rec.size
-        parent = self.parent_of(rec)
+        if parent is _LOOK_UP:
+            parent = self.parent_of(rec)
         if parent is None:
             return
         before = parent.child_res.get(tier, 0)

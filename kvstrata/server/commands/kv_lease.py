@@ -266,7 +266,11 @@ async def kv_mreserve(ctx: Ctx, args: Args) -> Reply:
     res = await store.reserve_batch(
         ns, parent, items, tokens, opts.get(b"TTL"), opts.get(b"TIER"), holder_of(ctx),
     )  # fmt: skip
-    entries = [Simple(e.encode()) if isinstance(e, str) else _handle(e) for e in res.entries]
+    # each slot a tuple (the same RESP array as a list): the reply's pin scan skips tuples
+    entries = [
+        Simple(e.encode()) if isinstance(e, str) else (e.region, e.offset, e.length, e.instance)
+        for e in res.entries
+    ]
     return [None if res.lease is None else res.lease.id, entries]
 
 
@@ -307,7 +311,10 @@ async def kv_commit(ctx: Ctx, args: Args) -> Reply:
     lease_id = _lease_id(args[1])
     rest = list(args[2:])
     digests: list[bytes | None] = []
-    at = next((i for i, a in enumerate(rest) if arg_bytes(a).upper() == b"DIGEST"), None)
+    at = next(
+        (i for i, a in enumerate(rest) if len(a) == 6 and arg_bytes(a).upper() == b"DIGEST"),
+        None,
+    )  # (the length first: 64 indexes go before it in a batch's commit)
     if at is not None:
         digests = [_digest(a) for a in rest[at + 1 :]]
         rest = rest[:at]

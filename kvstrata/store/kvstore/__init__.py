@@ -253,13 +253,16 @@ class KVStore:
         """KV.MRESERVE: slots for the chunks of a chain under one lease (``kvstore.batch``)."""
         ttl = write_lease_ttl(self.config.values, ttl_ms)
         check_batch(items, parent, self.writes.slot_limit(tier), slot_unit(self.writes))
-        link = parent
-        for item in items:
-            self.check_link(ns, item.hash, link)
+        keys = [ChunkKey(ns, item.hash) for item in items]  # made once, for every step
+        link, index = parent, self.state.index
+        for item, key in zip(items, keys, strict=True):
+            query.check_link(index, ns, item.hash, link, key)
             link = item.hash
         self.state.admit_lease(holder)
         self._admit_reserve(holder, [item.nbytes for item in items])
-        return await reserve_batch(self.writes, ns, parent, items, tokens, ttl, tier, holder)
+        return await reserve_batch(
+            self.writes, ns, parent, items, tokens, ttl, tier, holder, keys=keys
+        )
 
     def _admit_reserve(self, holder: Holder, sizes: list[int]) -> None:
         """-LEASELIMIT past lease-reserve-max-per-client (``write_limits``)."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.protocol.errors import CommandError, OutOfMemoryError, RespError
+from kvstrata.store.index import ChunkRecord
 from kvstrata.store.kvstore.sink import StoreSink
 from kvstrata.store.kvstore.write import WritePath
 from kvstrata.store.leases import (
@@ -111,21 +112,27 @@ def slot_unit(writes: WritePath) -> int:
 
 
 def check_room(
-    writes: WritePath, ns: str, items: Sequence[BatchItem], keys: Sequence[ChunkKey] = ()
+    writes: WritePath,
+    ns: str,
+    items: Sequence[BatchItem],
+    keys: Sequence[ChunkKey] = (),
+    found: Sequence[object] = (),
 ) -> None:
     """Refuse with -OOM, before anything is evicted, a DRAM batch whose new slots exceed what
     evicting every chunk that may leave would free (leased, pinned, moving and fenced chunks
     and other reservations stay): making room for it would empty DRAM and still fail.
-    ``keys``: the items' chunk keys when the caller made them already."""
+    ``keys``: the items' chunk keys when the caller made them already; ``found``: their
+    ``state.live`` records, looked up just now."""
     dram = writes.state.dram
     if not isinstance(dram, ArenaTier):
         return
-    live = writes.state.live
-    keys = keys or [ChunkKey(ns, item.hash) for item in items]
+    if not found:
+        live = writes.state.live
+        keys = keys or [ChunkKey(ns, item.hash) for item in items]
+        found = [live(key) for key in keys]
+    slot_size = dram.slot_size
     need = sum(
-        dram.slot_size(item.nbytes)
-        for item, key in zip(items, keys, strict=True)
-        if live(key) is None
+        slot_size(item.nbytes) for item, rec in zip(items, found, strict=True) if rec is None
     )
     if need <= dram.largest_free():
         return  # fits without evicting anything
@@ -147,30 +154,39 @@ async def reserve_batch(
     ttl_ms: int,
     tier: str | None = None,
     holder: Holder = NO_HOLDER,
+    keys: Sequence[ChunkKey] = (),
 ) -> BatchReservation:
     """Reserve a slot for each chunk of the chain ``items`` (the first one's parent is
-    ``parent``, each next one's the one before it) that is neither stored nor being written."""
+    ``parent``, each next one's the one before it) that is neither stored nor being written.
+    ``keys``: the items' chunk keys, given by a caller that ran :func:`check_batch` on
+    ``items`` already (``KVStore.reserve_batch``)."""
     state = writes.state
     limit = writes.slot_limit(tier)
     for item in items:
         if not 0 < item.nbytes <= limit:
             raise CommandError(f"invalid nbytes: must be 1 to {limit} (the tier's size)")
-    check_batch(items, parent, limit, slot_unit(writes))
-    keys = [ChunkKey(ns, item.hash) for item in items]
+    if not keys:
+        check_batch(items, parent, limit, slot_unit(writes))
+        keys = [ChunkKey(ns, item.hash) for item in items]
+    # the chunks stored now, found once for the room check and the loop; valid until the loop
+    # first awaits (another writer may publish one of them meanwhile: looked up again then)
+    found = [state.live(key) for key in keys]
     if tier != "gpu":
-        check_room(writes, ns, items, keys)
+        check_room(writes, ns, items, keys, found)
     reserved: list[ReservedChunk] = []
     entries: list[Handle | str] = []
     live, claim = state.live, state.claim
+    awaited = False
     try:
         for i, (item, key) in enumerate(zip(items, keys, strict=True)):
-            if live(key) is not None:
+            if (live(key) if awaited else found[i]) is not None:
                 entries.append(EXISTS)
             elif not claim(key):
                 entries.append(BUSY)
             else:
                 chunk = _reserve_now(writes, i, key, parent, tokens, item.nbytes, tier)
                 if chunk is None:  # no room now, or the GPU pool: in turn, as KV.RESERVE does
+                    awaited = True
                     chunk = await _reserve_one(writes, i, key, parent, tokens, item.nbytes, tier)
                 reserved.append(chunk)
                 entries.append(chunk.handle)
@@ -330,7 +346,14 @@ def _publish_now(writes: WritePath, chunk: ReservedChunk, claim: bytes | None) -
     except Exception:
         state.trace("del", key.namespace, [key.hash])
         raise
-    writes._publish(meta, placed, None, sink, verified, kick=False)
+    # WritePath._publish of a record with no TTL, its steps in the same order, inlined
+    rec = ChunkRecord(key, meta.parent, meta.tokens, meta.size, csum, meta.codec, verified)
+    rec.tiers = set(placed)
+    state.publish(rec)
+    sink.committed()  # the slot belongs to the chunk now; the key is free again
+    counters = state.counters
+    for name in placed:
+        counters[name].bytes_in += meta.size
 
 
 async def commit_lease(

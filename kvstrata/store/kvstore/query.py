@@ -38,9 +38,13 @@ def matched(state: StoreState, ns: str, hashes: Sequence[bytes]) -> list[ChunkRe
     return out
 
 
-def check_link(index: ChunkIndex, ns: str, hash: bytes, parent: bytes) -> None:
-    """``KVStore.check_link``: CommandError for a parent link that would close a loop."""
-    key = ChunkKey(ns, hash)
+def check_link(
+    index: ChunkIndex, ns: str, hash: bytes, parent: bytes, key: ChunkKey | None = None
+) -> None:
+    """``KVStore.check_link``: CommandError for a parent link that would close a loop.
+    ``key``: ``ChunkKey(ns, hash)`` when the caller has made it already."""
+    if key is None:
+        key = ChunkKey(ns, hash)
     rec = index.get(key)
     if rec is not None and rec.parent == parent:
         return  # the same link again (a re-PUT): no climb up the chain

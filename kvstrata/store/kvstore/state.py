@@ -124,7 +124,9 @@ class StoreState:
         self.remote: Tier | None = next((t for t in self.tiers if is_shared(t)), None)
         self.index = ChunkIndex()
         self.counters = {t.name: TierCounters() for t in self.tiers}
-        self.writers: dict[ChunkKey, asyncio.Event] = {}
+        #: key → its writer's event, made only once someone waits for the key (``wait_key``):
+        #: most claims end with nobody waiting, and an Event costs more than the claim itself
+        self.writers: dict[ChunkKey, asyncio.Event | None] = {}
         self.retired: dict[ChunkKey, asyncio.Event] = {}
         self.moves: dict[ChunkKey, asyncio.Event] = {}
         self.freeing: set[ChunkKey] = set()
@@ -271,9 +273,9 @@ class StoreState:
 
     def claim(self, key: ChunkKey) -> bool:
         """Become the key's writer (synchronous); False when it is owned by someone else."""
-        if self.key_busy(key):
+        if key in self.writers or key in self.retired:  # (key_busy, inlined: per chunk)
             return False
-        self.writers[key] = asyncio.Event()
+        self.writers[key] = None  # the Event comes with the first waiter (wait_key)
         return True
 
     def release_claim(self, key: ChunkKey) -> None:
@@ -287,9 +289,14 @@ class StoreState:
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    event = self.writers.get(key) or self.retired.get(key)
-                    if event is None:
-                        return
+                    if key in self.writers:
+                        event = self.writers[key]
+                        if event is None:
+                            event = self.writers[key] = asyncio.Event()
+                    else:
+                        event = self.retired.get(key)
+                        if event is None:
+                            return
                     await event.wait()
         except TimeoutError:
             raise BusyError(f"chunk {key.hex} is being written or freed; retry") from None
