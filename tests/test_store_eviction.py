@@ -327,3 +327,60 @@ def test_demoter_counts_writes_in_flight() -> None:
             assert store.stats()["nvme"]["evictions"] >= 5
 
     run(main())
+
+
+class _LateReader(FakeTier):
+    """A tier whose reads, like NVMe's on its I/O threads, go on writing into the caller's
+    buffer after the caller was cancelled (the job runs until ``release`` is set)."""
+
+    def __init__(self) -> None:
+        super().__init__("nvme")
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.late_writes = 0
+
+    async def get(self, key: ChunkKey, out: memoryview) -> Any:
+        meta, blob = self.data[key]
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        async def job() -> None:  # (not cancelled with the caller, as a pool thread is not)
+            self.started.set()
+            await self.release.wait()
+            out[: meta.size] = blob
+            self.late_writes += 1
+            done.set_result(meta)
+
+        self._job = asyncio.ensure_future(job())
+        return await done
+
+
+def test_a_cancelled_promotion_keeps_its_slot_until_the_read_ends() -> None:
+    """A KV.GET whose promotion reads from NVMe is cancelled mid-read (its client left): the
+    read goes on into the DRAM slot, so the slot stays held until it ends; a chunk written
+    meanwhile gets other memory, and its bytes are intact after the late read landed."""
+    lower = _LateReader()
+
+    async def main() -> None:
+        async with open_store([make_dram(4 * SLOT), lower], start=False) as store:
+            a, b = b"A" * 16, b"B" * 16
+            assert await store.put(NS, a, b"", blob(1))
+            assert await store.placement.make_room(0, 4 * SLOT)  # A is in NVMe only now
+            assert store.match_tiers(NS, [a]) == ["nvme"]
+            dram = store.state.dram
+            getting = asyncio.ensure_future(store.get(NS, a))
+            await lower.started.wait()
+            getting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await getting
+            assert dram.deferred_frees == 1  # the aborted slot is not reusable yet
+            assert await store.put(NS, b, b"", blob(2))  # lands in other memory
+            lower.release.set()
+            await lower._job
+            assert await wait_until(lambda: dram.deferred_frees == 0)  # freed once it ended
+            assert lower.late_writes == 1
+            p = await store.get(NS, b)
+            assert bytes(p.view) == blob(2)  # not the late read's bytes
+            if p.release is not None:
+                p.release()
+
+    run(main())

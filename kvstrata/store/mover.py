@@ -10,13 +10,16 @@ dropped (:meth:`Mover.bad_copy`), a corrupt chunk from every tier.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kvstrata.chunks import ChunkKey, ChunkMeta
 from kvstrata.store.index import ChunkRecord
 from kvstrata.store.kvstore.state import StoreState, is_internal, is_shared
 from kvstrata.store.policy import leaving_counter, write_back_needed
+from kvstrata.tiers.arena import ArenaTier
 from kvstrata.tiers.base import (
     Buffer,
     ChunkMissing,
@@ -30,6 +33,13 @@ from kvstrata.tiers.checksum import checksum
 
 #: ``_write_lower``: a lower tier refused the victim itself; it is dropped, eviction goes on
 _REFUSED = ""
+
+
+def _read_ended(dram: ArenaTier, offset: int, reading: asyncio.Future[ChunkMeta]) -> None:
+    """A read into a slot whose promotion was cancelled has ended: the slot may be reused."""
+    if not reading.cancelled():
+        reading.exception()  # (retrieved: the promotion that wanted it is gone)
+    dram.unhold(offset)
 
 
 class ChecksumMismatch(IntegrityError):
@@ -192,8 +202,16 @@ class Mover:
             return False
         committed = False
         self.landing[dram.name] = self.landing.get(dram.name, 0) + rec.size
+        # the read writes into the slot from an I/O thread (nvme) that a cancel cannot stop:
+        # the slot is held until the read has ended, so that an abort here (a cancelled
+        # promotion) never lets another chunk take memory a late read still writes into
+        arena = dram if isinstance(dram, ArenaTier) else None
+        offset = arena.reserved_handle(key).offset if arena is not None else -1
+        if arena is not None:
+            arena.hold(offset)
+        reading = asyncio.ensure_future(src.get(key, view))
         try:
-            meta = await src.get(key, view)
+            meta = await asyncio.shield(reading)
             check_bytes(rec, src, view, meta)
             if not rec.alive:
                 return None
@@ -208,6 +226,12 @@ class Mover:
             self.landing[dram.name] -= rec.size
             if not committed:
                 dram.abort(key)
+            if arena is None:
+                pass
+            elif reading.done():
+                arena.unhold(offset)
+            else:  # cancelled while reading: the slot's memory is free once the read is done
+                reading.add_done_callback(partial(_read_ended, arena, offset))
         state.index.add_tier(rec, dram.name)
         state.counters[dram.name].bytes_in += rec.size
         state.counters[src.name].bytes_out += rec.size
