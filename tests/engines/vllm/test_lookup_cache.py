@@ -163,7 +163,13 @@ def test_a_lost_lookup_connection_misses_what_was_in_flight(instances, server) -
     assert first_scan(b, keys, ctx) == [RETRY] * 3
     b.tier.on_schedule_end(END)
     assert b.tier._sent
-    b.tier._lookup_conn._sock.shutdown(socket.SHUT_RDWR)  # the connection dies
+    conn = b.tier._lookup_conn
+
+    def lost(count: int) -> None:  # the connection dies before its reply is read (a server
+        raise ConnectionResetError("connection lost")  # may answer at once: not left to luck)
+
+    conn.receive_ready = lost
+    conn._sock.shutdown(socket.SHUT_RDWR)
     wait_replies(b)
     assert [b.tier.lookup(k, ctx) for k in keys] == [MISS] * 3
     assert len(b.tier._hits) == 0
