@@ -169,16 +169,22 @@ class PrefetchModel:
         if src is None or sim._ensure(rec, tier) is None:
             self.counts["skipped"] += 1
             return False
-        sim.stamp += 1e-6
-        rec.last_access = sim.stamp
-        begin = max(heapq.heappop(self._workers), sim.now)
-        end = begin + self._duration(src, rec.size, begin)
-        heapq.heappush(self._workers, end)
-        self.ready[key] = (end, src.name)
-        self.counts["chunks"] += 1
-        self.counts["bytes"] += rec.size
+        self._moved(rec, src, max(heapq.heappop(self._workers), sim.now))
         sim.enforce()
         return True
+
+    def _moved(self, rec: ChunkRecord, src: VTier, begin: float) -> float:
+        """A chunk a worker moves from ``begin`` (its placement done): its LRU stamp, the
+        worker busy until it is ready, the counters; when it is ready."""
+        sim = self.sim
+        sim.stamp += 1e-6  # landed one after the other: distinct LRU stamps
+        rec.last_access = sim.stamp
+        end = begin + self._duration(src, rec.size, begin)
+        heapq.heappush(self._workers, end)
+        self.ready[rec.key] = (end, src.name)
+        self.counts["chunks"] += 1
+        self.counts["bytes"] += rec.size
+        return end
 
     def _take(self, start: float, width: int) -> tuple[SimRequest, list[ChunkRecord]] | None:
         """Up to ``width`` chunks of the oldest request that start together at ``start``."""
@@ -226,14 +232,7 @@ class PrefetchModel:
                 self.counts["skipped"] += 1  # already there (a read promoted it), or no room
                 heapq.heappush(self._workers, begin)
                 continue
-            sim.stamp += 1e-6  # landed one after the other: distinct LRU stamps
-            rec.last_access = sim.stamp
-            end = begin + self._duration(src, rec.size, begin)
-            heapq.heappush(self._workers, end)
-            self.ready[rec.key] = (end, src.name)
-            req.end = max(req.end, end)
-            self.counts["chunks"] += 1
-            self.counts["bytes"] += rec.size
+            req.end = max(req.end, self._moved(rec, src, begin))
         if req.next >= len(req.hashes) and not req.finished:
             self._complete(req)
         sim.enforce()

@@ -226,11 +226,9 @@ class Mover:
             self.landing[dram.name] -= rec.size
             if not committed:
                 dram.abort(key)
-            if arena is None:
-                pass
-            elif reading.done():
+            if arena is not None and reading.done():
                 arena.unhold(offset)
-            else:  # cancelled while reading: the slot's memory is free once the read is done
+            elif arena is not None:  # cancelled mid-read: the slot is free once the read is
                 reading.add_done_callback(partial(_read_ended, arena, offset))
         state.index.add_tier(rec, dram.name)
         state.counters[dram.name].bytes_in += rec.size

@@ -94,8 +94,7 @@ class Placement(Mover):
             return 1 << 62
         if isinstance(tier, MemoryTier):
             return tier.largest_free()
-        in_flight = int(getattr(tier, "pending", 0))  # writes the tier already counts (nvme)
-        return max(0, tier.capacity - tier.used - in_flight)
+        return max(0, tier.capacity - self.filled(tier))  # (nvme: its writes in flight too)
 
     def reclaimable(self, tier: ArenaTier) -> int:
         """Bytes of ``tier`` free now plus the slots of the chunks that may leave it (not
