@@ -28,7 +28,11 @@ setup(
         Extension(
             "kvstrata.server._fastpath",
             sources=["kvstrata/server/_fastpath.c"],
-            depends=["kvstrata/server/_fastpath_scan.h", "kvstrata/server/_fastpath_kv.h"],
+            depends=[
+                "kvstrata/server/_fastpath_scan.h",
+                "kvstrata/server/_fastpath_kv.h",
+                "kvstrata/server/_fastpath_conn.h",
+            ],
             optional=True,
             extra_compile_args=["-O2"],
         ),

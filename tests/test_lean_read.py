@@ -1,5 +1,9 @@
 """The lean read path of ``Connection.buffer_updated`` against the general one.
 
+Where the extension is built, the connection's read callbacks are C (``_fastpath.ConnBase``);
+every comparison runs the C callbacks, their Python twins (``PyConnection``) and the general
+path, and asserts all three alike.
+
 A read whose small commands all run on the compiled path, with nothing queued, paused or
 pending, is answered straight from ``buffer_updated`` (one C run, one transport write) instead
 of going through ``_process`` and ``_flush``. These tests drive a connection read by read with
@@ -20,7 +24,7 @@ from typing import Any
 import pytest
 
 from kvstrata.server import fastpath
-from kvstrata.server.connection import Connection
+from kvstrata.server.connection import Connection, PyConnection
 from kvstrata.server.writeside import OUT_HIGH
 from tests.conftest import RunningServer
 from tests.fakes import cmd
@@ -85,6 +89,16 @@ class FakeTransport:
 
 class Counting(Connection):
     """The connection under test; counts the reads that went the general way."""
+
+    general = 0
+
+    def _process(self, declined: int = -1) -> None:
+        self.general += 1
+        super()._process(declined)
+
+
+class PyCounting(PyConnection):
+    """The lean path's Python twin (the callbacks without ConnBase)."""
 
     general = 0
 
@@ -174,10 +188,11 @@ def both(
     setup: Callable[[Any], None] | None = None,
     **overrides: Any,
 ) -> Wire:
-    """Run ``script`` on a lean connection and on a general one (fresh servers, ``setup``
-    applied to each); assert the same writes and state; return the lean one."""
+    """Run ``script`` on a lean connection (C callbacks), its Python twin and a general one
+    (fresh servers, ``setup`` applied to each); assert the same writes and state, and the
+    same reads taken the general way by both lean ones; return the C one."""
     wires = []
-    for kind in (Counting, GeneralOnly):
+    for kind in (Counting, PyCounting, GeneralOnly):
         srv = make_server(**overrides)
         deadline = time.monotonic() + 10
         while srv.server.loading and time.monotonic() < deadline:
@@ -188,10 +203,12 @@ def both(
         script(wire)
         wires.append((wire, observe(srv, wire)))
         wire.close()
-    (lean, lean_state), (ref, ref_state) = wires
-    assert lean.transport.writes == ref.transport.writes
-    assert lean_state == ref_state
-    assert lean.transport.reading == ref.transport.reading
+    (lean, lean_state), (twin, twin_state), (ref, ref_state) = wires
+    for other, other_state in ((twin, twin_state), (ref, ref_state)):
+        assert lean.transport.writes == other.transport.writes
+        assert lean_state == other_state
+        assert lean.transport.reading == other.transport.reading
+    assert lean.conn.general == twin.conn.general  # type: ignore[attr-defined]
     return lean
 
 
@@ -210,6 +227,40 @@ def test_small_reads_take_the_lean_path(make_server: Callable[..., RunningServer
                                          b":2\r\n"]  # fmt: skip
     assert lean.transport.writes[5] == b"+OK\r\n$1\r\nw\r\n" + b"+PONG\r\n" * 20
     assert lean.conn.client.commands == 27
+
+
+def test_the_read_callbacks_are_compiled(make_server: Callable[..., RunningServer]) -> None:
+    """With the extension, a lean read is answered by ConnBase without its Python twins; a
+    buffer it cannot hand out (after a partial request) and a read it cannot answer (the
+    fast path switched off) go to the twins."""
+    assert Connection.buffer_updated is fastpath.CONN_BASE.buffer_updated
+    assert Connection.get_buffer is fastpath.CONN_BASE.get_buffer
+    twins: list[str] = []
+
+    class Watched(Connection):
+        def _buffer_updated(self, nbytes: int) -> None:
+            twins.append("buffer_updated")
+            super()._buffer_updated(nbytes)
+
+        def _get_buffer(self, sizehint: int) -> memoryview:
+            twins.append("get_buffer")
+            return super()._get_buffer(sizehint)
+
+    srv = make_server()
+    wire = Wire(srv, Watched)
+    wire.read(cmd("SET", "k", "v") + cmd("GET", "k"))
+    assert twins == [] and wire.transport.writes == [b"+OK\r\n$1\r\nv\r\n"]
+    request = cmd("GET", "k")
+    wire.read(request[:5])  # incomplete: declined in C, kept; the next buffer is after it
+    wire.read(request[5:])
+    assert twins == ["get_buffer"]
+    assert wire.transport.writes[-1] == b"$1\r\nv\r\n"
+    wire.read(cmd("CONFIG", "SET", "fast-path", "no"))
+    wire.read(cmd("GET", "k"))
+    assert twins == ["get_buffer", "buffer_updated"]
+    assert wire.transport.writes[-2:] == [b"+OK\r\n", b"$1\r\nv\r\n"]
+    assert srv.call(lambda: wire.conn.client.commands) == 5
+    wire.close()
 
 
 def test_split_requests(make_server: Callable[..., RunningServer]) -> None:

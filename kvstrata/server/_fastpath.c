@@ -579,6 +579,31 @@ static PyObject *result_tuple(Py_ssize_t pos, Py_ssize_t executed, int last, PyO
     return t;
 }
 
+/* One run over base[*pos:end] (the body of FastPath.run, and of ConnBase.buffer_updated's lean
+ * read): *pos, *executed, *last and *slow_hit (a new reference or NULL) set; the replies are
+ * left in o (the caller owns and frees it). -1 with an error set when the counters could not be
+ * written back. */
+static int fp_run_core(FastPath *fp, const char *base, Py_ssize_t *pos, Py_ssize_t end,
+                       const Limits *lim, Out *o, Py_ssize_t *executed, int *last,
+                       PyObject **slow_hit) {
+    Run run;
+    memset(&run, 0, sizeof run);
+    run.limit = -1;
+    *slow_hit = NULL;
+    *last = -1;
+    run.data = fp->data;  /* borrowed: the FastPath holds them */
+    run.lru = fp->lru;
+    *executed = run_commands(fp, &run, base, pos, end, lim, o, last, slow_hit);
+    if (run.failed)  /* reported (sys.unraisablehook); the Python path runs it again and
+                      * answers as it does for a failing handler (or succeeds: MemoryError) */
+        PyErr_WriteUnraisable((PyObject *)fp);
+    if (write_back(fp, &run) < 0) {
+        Py_CLEAR(*slow_hit);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
     if (fp->keyspace == NULL) {  /* FastPath.__new__ without __init__ */
         PyErr_SetString(PyExc_TypeError, "FastPath is not initialised");
@@ -599,21 +624,14 @@ static PyObject *fp_run(FastPath *fp, PyObject *const *args, Py_ssize_t nargs) {
     if (!PyErr_Occurred() && (pos < 0 || pos > end))
         PyErr_SetString(PyExc_ValueError, "pos out of the buffer");
     if (PyErr_Occurred()) { PyBuffer_Release(&view); return NULL; }
-    Run run;
-    memset(&run, 0, sizeof run);
-    run.limit = -1;
     Out o;
     out_init(&o);
     PyObject *slow_hit = NULL, *result = NULL;
     int last = -1;
-    run.data = fp->data;  /* borrowed: the FastPath holds them */
-    run.lru = fp->lru;
-    Py_ssize_t executed = run_commands(fp, &run, (const char *)view.buf, &pos, end, &lim, &o,
-                                       &last, &slow_hit);
-    if (run.failed)  /* reported (sys.unraisablehook); the Python path runs it again and
-                      * answers as it does for a failing handler (or succeeds: MemoryError) */
-        PyErr_WriteUnraisable((PyObject *)fp);
-    if (write_back(fp, &run) < 0) goto fail;
+    Py_ssize_t executed = 0;
+    if (fp_run_core(fp, (const char *)view.buf, &pos, end, &lim, &o, &executed, &last,
+                    &slow_hit) < 0)
+        goto fail;
     if (o.len > 0) {
         PyObject *bytes = PyBytes_FromStringAndSize(o.buf, o.len);
         if (bytes == NULL || PyList_Append(args[3], bytes) < 0) { Py_XDECREF(bytes); goto fail; }
@@ -626,6 +644,9 @@ fail:
     PyBuffer_Release(&view);
     return result;
 }
+
+static PyTypeObject FastPathType;  /* below: ConnBase checks that it runs the real one */
+#include "_fastpath_conn.h"
 
 static PyMethodDef fp_methods[] = {
     {"run", (PyCFunction)(void (*)(void))fp_run, METH_FASTCALL, "Execute the leading fast commands of a buffer."},
@@ -646,9 +667,15 @@ static PyTypeObject FastPathType = {
     .tp_new = PyType_GenericNew,
 };
 
+static PyMethodDef module_methods[] = {
+    {"set_conn_limits", set_conn_limits, METH_VARARGS,
+     "set_conn_limits(flush_parts, max_out): ConnBase's FLUSH_PARTS and MAX_OUT."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_fastpath", "Compiled small-command path.", -1, NULL, NULL, NULL,
-    NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_fastpath", "Compiled small-command path.", -1, module_methods,
+    NULL, NULL, NULL, NULL,
 };
 
 #define INTERN(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
@@ -684,6 +711,10 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
     Py_INCREF(&FastPathType);
     if (PyModule_AddObject(m, "FastPath", (PyObject *)&FastPathType) < 0) {
         Py_DECREF(&FastPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (conn_init_module(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

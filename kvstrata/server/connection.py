@@ -29,7 +29,7 @@ from kvstrata.server.admission import fmt_addr, refusal
 from kvstrata.server.backlog import ReplyBacklog
 from kvstrata.server.context import ClientState
 from kvstrata.server.dispatch import _NO_SINKS, Dispatch
-from kvstrata.server.fastpath import usable
+from kvstrata.server.fastpath import CONN_BASE, usable
 from kvstrata.server.fastread import FLUSH_PARTS, FastRead
 from kvstrata.server.intake import Intake, WithSinks, abort_sinks
 from kvstrata.server.pins import ReplyPins, release_each
@@ -47,11 +47,17 @@ UNAUTH_MAX_ARGS = 10
 JOIN_LIMIT = 64 * 1024  # replies up to this size are joined into one write
 
 
-class Connection(FastRead, WriteSide, Dispatch, asyncio.BufferedProtocol):
-    """Implements ``server.context.Ctx`` for the handlers."""
+class Connection(FastRead, WriteSide, Dispatch, CONN_BASE, asyncio.BufferedProtocol):
+    """Implements ``server.context.Ctx`` for the handlers.
+
+    With the compiled path built, ``CONN_BASE`` is ``_fastpath.ConnBase``: the transport's
+    ``get_buffer`` and ``buffer_updated`` are C, answer the common (lean) read themselves and
+    hand every other read to :meth:`_get_buffer` and :meth:`_buffer_updated`, the reference
+    (and the callbacks themselves without the extension, or in :class:`PyConnection`)."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
+        self._stats = server.stats
         self.sinks: dict[int, Any] = _NO_SINKS
         self.transport: asyncio.Transport | None = None
         self.client = ClientState(id=0, addr="?", laddr="?")
@@ -111,7 +117,7 @@ class Connection(FastRead, WriteSide, Dispatch, asyncio.BufferedProtocol):
         self._pins.release_all()  # a running async command finishes; its reply is dropped
         release_each(self._backlog.release_all())
 
-    def get_buffer(self, sizehint: int) -> memoryview:
+    def _get_buffer(self, sizehint: int) -> memoryview:
         view = self._in.get_buffer(self._values["client-query-buffer-limit"])
         if self._in.overflow and not self._closing:
             # Closing the transport inside get_buffer is not allowed: report from a callback.
@@ -120,7 +126,7 @@ class Connection(FastRead, WriteSide, Dispatch, asyncio.BufferedProtocol):
             asyncio.get_running_loop().call_soon(self._protocol_error, error)
         return view
 
-    def buffer_updated(self, nbytes: int) -> None:
+    def _buffer_updated(self, nbytes: int) -> None:
         server = self.server
         stats = server.stats
         stats.total_net_input_bytes += nbytes
@@ -153,6 +159,10 @@ class Connection(FastRead, WriteSide, Dispatch, asyncio.BufferedProtocol):
             self._process()
         else:
             self._run_lean(fast, values)
+
+    if CONN_BASE is object:  # no compiled callbacks: the Python twins are the callbacks
+        get_buffer = _get_buffer
+        buffer_updated = _buffer_updated
 
     def eof_received(self) -> bool:
         return False
@@ -372,6 +382,14 @@ class Connection(FastRead, WriteSide, Dispatch, asyncio.BufferedProtocol):
     @property
     def busy(self) -> bool:
         return self._busy
+
+
+class PyConnection(Connection):
+    """A connection whose read callbacks are the Python twins even where ``ConnBase`` is built
+    (the reference its tests compare it with)."""
+
+    get_buffer = Connection._get_buffer
+    buffer_updated = Connection._buffer_updated
 
 
 def _fileno(transport: asyncio.BaseTransport) -> int:

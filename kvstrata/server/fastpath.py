@@ -68,6 +68,9 @@ def _load() -> Any:
 _ext = _load()
 #: the extension is built (python3 setup.py build_ext, or any pip install with a compiler)
 AVAILABLE = _ext is not None
+#: the base type of server.connection.Connection: ``_fastpath.ConnBase`` (its read callbacks
+#: in C, over the state they test kept as C fields), or ``object`` without the extension
+CONN_BASE: Any = object if _ext is None else _ext.ConnBase
 
 
 def bind(server: Server) -> Any:

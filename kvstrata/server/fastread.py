@@ -13,13 +13,15 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.server.context import ClientState
-from kvstrata.server.fastpath import MAX_OUT, NAMES
+from kvstrata.server.fastpath import MAX_OUT, NAMES, _ext
 from kvstrata.server.intake import Intake
 
 if TYPE_CHECKING:
     from kvstrata.server.app import Server
 
 FLUSH_PARTS = 48  # reply buffers gathered before they are handed to the transport
+if _ext is not None:  # ConnBase's lean read, the C twin of _run_lean, uses the same bounds
+    _ext.set_conn_limits(FLUSH_PARTS, MAX_OUT)
 
 
 class FastRead:

@@ -94,7 +94,13 @@ def abort_sinks(sinks: dict[int, Any], on_error: Callable[[BaseException], None]
 
 
 class Intake:
-    """Receive buffer + decoder state of one connection."""
+    """Receive buffer + decoder state of one connection (slots: the compiled read callbacks,
+    ``_fastpath.ConnBase``, read them by offset)."""
+
+    __slots__ = (
+        "_direct", "_filled", "_grow", "_mv", "_progress", "_sink_for", "buf", "end", "overflow",
+        "partial", "partial_bytes", "queued_payload", "start", "yielded",
+    )  # fmt: skip
 
     def __init__(self, sink_for: Callable[[list[Any], int], Any]) -> None:
         self._sink_for = sink_for
