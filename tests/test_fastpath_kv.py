@@ -35,6 +35,16 @@ def payload(h: bytes, size: int = 1000) -> bytes:
     return (h * (size // len(h) + 1))[:size]
 
 
+def closed(srv: RunningServer, session: Session) -> None:
+    """Close ``session`` and wait until the server has dropped its connection (``state``
+    lists the clients: one still closing would differ from the same state a moment later)."""
+    session.close()
+    deadline = time.monotonic() + 10
+    while srv.call(lambda: len(srv.server.clients)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # polls a condition (the connection is lost), not a fixed wait
+    assert not srv.call(lambda: len(srv.server.clients)), "the closed session is still listed"
+
+
 def kv_state(srv: RunningServer) -> dict[str, Any]:
     """What the KV store shows of the commands: records, tier counters, arena stats."""
     s = srv.server
@@ -96,7 +106,7 @@ def script() -> list[bytes]:
 def observe(srv: RunningServer) -> tuple[list[bytes], dict[str, Any]]:
     session = Session(srv.port)
     replies = [session.send(step) for step in script()]
-    session.close()
+    closed(srv, session)
     # the state is read once the server has seen the close (its client table is empty): a
     # loaded machine may run the read before the loop handles the disconnect
     deadline = time.monotonic() + 10
@@ -138,7 +148,7 @@ def kv_server(make_server: Callable[..., RunningServer]) -> RunningServer:
     srv = make_server()
     session = Session(srv.port)
     session.send(put_chain())
-    session.close()
+    closed(srv, session)
     return srv
 
 
@@ -207,7 +217,7 @@ def test_hands_over_before_any_side_effect(kv_server: RunningServer, data: bytes
     session.send(
         cmd("KV.PUT", "ns", "ttl", "c1", "x") + cmd("KV.PUT", "ns", "big", "", b"B" * 70_000)
     )
-    session.close()
+    closed(srv, session)
     _with_ttl(srv, b"ttl", int(time.time() * 1000) - 1000)  # expired: Python deletes it
     before = kv_state(srv)
     assert run_in(srv, data) == (0, 0, None, b"")
@@ -247,7 +257,7 @@ def test_not_bound_while_tracing(make_server: Callable[..., RunningServer], tmp_
     session.send(put_chain())
     assert run_in(srv, cmd("KV.MATCH", "ns", *CHAIN))[1] == 0
     assert session.send(cmd("KV.MATCH", "ns", *CHAIN)) == b":6\r\n"
-    session.close()
+    closed(srv, session)
     srv.call(lambda: srv.server.tracer.close())
     assert '"match"' in trace.read_text()
 
@@ -282,7 +292,7 @@ def test_a_declined_read_is_answered_by_python(
     srv.call(lambda: setattr(srv.server.store, "get_now", lambda ns, h: fastpath.NOT_NOW))
     session = Session(srv.port)
     got = session.send(cmd("KV.MGET", "ns", "c0", "c1"))
-    session.close()
+    closed(srv, session)
     assert got == b"*2\r\n" + b"".join(b"$1000\r\n" + payload(h) + b"\r\n" for h in CHAIN[:2])
     assert [type(r.exc_value) for r in reported] == [RuntimeError]
 
