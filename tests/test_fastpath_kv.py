@@ -25,7 +25,7 @@ import pytest
 from kvstrata.chunks import ChunkKey
 from kvstrata.server import fastpath
 from tests.conftest import RunningServer
-from tests.fakes import cmd
+from tests.fakes import cmd, wait_for
 from tests.test_fastpath import Session, Spy, state
 
 CHAIN = [b"c%d" % i for i in range(6)]
@@ -39,10 +39,8 @@ def closed(srv: RunningServer, session: Session) -> None:
     """Close ``session`` and wait until the server has dropped its connection (``state``
     lists the clients: one still closing would differ from the same state a moment later)."""
     session.close()
-    deadline = time.monotonic() + 10
-    while srv.call(lambda: len(srv.server.clients)) and time.monotonic() < deadline:
-        time.sleep(0.01)  # polls a condition (the connection is lost), not a fixed wait
-    assert not srv.call(lambda: len(srv.server.clients)), "the closed session is still listed"
+    gone = wait_for(lambda: not srv.call(lambda: len(srv.server.clients)))
+    assert gone, "the closed session is still listed"
 
 
 def kv_state(srv: RunningServer) -> dict[str, Any]:

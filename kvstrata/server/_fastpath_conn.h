@@ -13,14 +13,11 @@
  * without the extension.
  */
 
-#include <time.h>
-
 static Py_ssize_t conn_flush_parts = 48, conn_max_out = 256 * 1024;  /* set_conn_limits */
 
 typedef struct {
     PyObject_HEAD
-    PyObject *server, *client, *transport, *in, *out, *queue, *error, *values, *slow_micros,
-        *stats;
+    PyObject *server, *client, *transport, *in, *out, *queue, *error, *values, *slow_micros;
     double slow;
     char busy, closing, close_after, read_paused, write_paused, unsent, resp3;
 } ConnBase;
@@ -28,9 +25,9 @@ typedef struct {
 static PyObject *c_get_buffer_py, *c_buffer_updated_py, *c_process, *c_flush, *c_after_write,
     *c_slow_threshold, *c_slowlog_record, *c_write, *c_direct, *c_grow, *c_partial, *c_yielded,
     *c_overflow, *c_start, *c_end, *c_buf, *c_mv, *c_loading, *c_monitors, *c_cmdstats,
-    *c_histograms, *c_authenticated, *c_last_interaction, *c_commands_n, *c_last_command,
+    *c_histograms, *c_authenticated, *c_last_interaction, *c_last_command,
     *c_in_bytes, *c_processed, *c_out_bytes, *c_fast_path, *c_slowlog_setting, *c_max_bulk,
-    *c_max_args, *c_fastpath, *c_names[N_CMDS];
+    *c_max_args, *c_fastpath, *c_stats;
 
 /* A __slots__ attribute read through its offset, found once per type (getattr otherwise). */
 typedef struct {
@@ -143,7 +140,7 @@ static PyObject *cb_get_buffer(ConnBase *self, PyObject *sizehint) {
 static int lean_read(ConnBase *self, PyObject **fast) {
     if (self->in == NULL || self->in == Py_None
         || self->server == NULL || self->client == NULL || self->values == NULL
-        || self->stats == NULL || self->transport == NULL || self->transport == Py_None)
+        || self->transport == NULL || self->transport == Py_None)
         return 0;
     if (self->busy || self->write_paused || self->read_paused || self->closing
         || self->close_after)
@@ -183,27 +180,22 @@ static int lean_read(ConnBase *self, PyObject **fast) {
     return 1;
 }
 
-static double monotonic_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* The lean read (Connection._buffer_updated, then FastRead._run_lean), for a read lean_read
  * accepted; 0, or -1 with an error set. */
 static int cb_lean(ConnBase *self, FastPath *fast, Py_ssize_t nbytes) {
-    PyObject *in = self->in, *client = self->client, *stats = self->stats;
+    PyObject *stats = PyObject_GetAttr(self->server, c_stats);
+    if (stats == NULL) return -1;
+    PyObject *in = self->in, *client = self->client;
     PyObject *me = (PyObject *)self;
     Py_INCREF(in);  /* a Python call below may rebind them: hold them for the read */
     Py_INCREF(client);
-    Py_INCREF(stats);
     int rc = -1;
     PyObject *r = NULL, *slow_hit = NULL;
     Out o;
     out_init(&o);
     /* Connection._buffer_updated */
     if (sadd(stats, &sc_in_bytes, c_in_bytes, nbytes) < 0) goto done;
-    PyObject *now = PyFloat_FromDouble(monotonic_s());
+    PyObject *now = PyFloat_FromDouble(now_s());  /* CLOCK_MONOTONIC: time.monotonic's */
     if (now == NULL) goto done;
     int set = sset(client, &sc_inter, c_last_interaction, now);
     Py_DECREF(now);
@@ -254,8 +246,8 @@ static int cb_lean(ConnBase *self, FastPath *fast, Py_ssize_t nbytes) {
         goto done;
     }
     if (sadd(stats, &sc_processed, c_processed, ran) < 0) goto done;
-    if (sadd(client, &sc_cmds, c_commands_n, ran) < 0) goto done;
-    if (sset(client, &sc_lastcmd, c_last_command, c_names[last]) < 0) goto done;
+    if (sadd(client, &sc_cmds, s_commands, ran) < 0) goto done;
+    if (sset(client, &sc_lastcmd, c_last_command, s_names[last]) < 0) goto done;
     if (slow_hit != NULL) {
         r = PyObject_CallMethodObjArgs(self->server, c_slowlog_record,
                                        PyTuple_GET_ITEM(slow_hit, 0),
@@ -337,7 +329,6 @@ static int cb_traverse(ConnBase *self, visitproc visit, void *arg) {
     Py_VISIT(self->error);
     Py_VISIT(self->values);
     Py_VISIT(self->slow_micros);
-    Py_VISIT(self->stats);
     return 0;
 }
 
@@ -351,7 +342,6 @@ static int cb_clear(ConnBase *self) {
     Py_CLEAR(self->error);
     Py_CLEAR(self->values);
     Py_CLEAR(self->slow_micros);
-    Py_CLEAR(self->stats);
     return 0;
 }
 
@@ -374,7 +364,6 @@ static PyMemberDef cb_members[] = {
     CB_OBJ("_error", error),
     CB_OBJ("_values", values),
     CB_OBJ("_slow_micros", slow_micros),
-    CB_OBJ("_stats", stats),
     {"_slow", T_DOUBLE, offsetof(ConnBase, slow), 0, NULL},
     CB_BOOL("_busy", busy),
     CB_BOOL("_closing", closing),
@@ -442,7 +431,6 @@ static int conn_init_module(PyObject *m) {
     CINTERN(c_histograms, "histograms");
     CINTERN(c_authenticated, "authenticated");
     CINTERN(c_last_interaction, "last_interaction");
-    CINTERN(c_commands_n, "commands");
     CINTERN(c_last_command, "last_command");
     CINTERN(c_in_bytes, "total_net_input_bytes");
     CINTERN(c_processed, "total_commands_processed");
@@ -452,7 +440,7 @@ static int conn_init_module(PyObject *m) {
     CINTERN(c_max_bulk, "proto-max-bulk-len");
     CINTERN(c_max_args, "max-multibulk-len");
     CINTERN(c_fastpath, "fastpath");
-    for (int c = 0; c < N_CMDS; c++) CINTERN(c_names[c], NAMES[c]);
+    CINTERN(c_stats, "stats");
     if (PyType_Ready(&ConnBaseType) < 0) return -1;
     Py_INCREF(&ConnBaseType);
     if (PyModule_AddObject(m, "ConnBase", (PyObject *)&ConnBaseType) < 0) {

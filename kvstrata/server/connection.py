@@ -57,7 +57,6 @@ class Connection(FastRead, WriteSide, Dispatch, CONN_BASE, asyncio.BufferedProto
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self._stats = server.stats
         self.sinks: dict[int, Any] = _NO_SINKS
         self.transport: asyncio.Transport | None = None
         self.client = ClientState(id=0, addr="?", laddr="?")
