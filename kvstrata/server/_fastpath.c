@@ -72,6 +72,7 @@ typedef struct {
     PyObject *records;          /* state.index._records (NULL: no store bound) */
     PyObject *key_type, *rec_type, *store, *not_now, *values;
     PyObject *dram, *dram_name, *dram_chunks, *tiers;  /* dram: NULL without a DRAM tier */
+    PyObject *name;  /* a bytes object only this struct refers to: each keyspace name probed */
     Py_ssize_t key_ns_at, key_hash_at;  /* ChunkKey's slots */
     Py_ssize_t tiers_at, expire_at, access_at, moving_at, size_at, rkey_at;  /* ChunkRecord's */
     int raw_key;     /* ChunkKey built without __init__ (exactly its two slots) */

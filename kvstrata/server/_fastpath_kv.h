@@ -21,6 +21,7 @@
 
 #define MAX_HASH 64 /* bytes of a hash, as keys.MAX_HASH_BYTES */
 #define MAX_NS 256  /* bytes of a namespace, as keys.MAX_NAMESPACE_BYTES */
+#define MAX_NAME (3 + MAX_NS + 1 + 2 * MAX_HASH)  /* kv:{ns}:{hex} */
 
 static PyObject *s_get_now, *s_view, *s_release, *s_max_chain;
 
@@ -35,6 +36,8 @@ static void kv_clear(Kv *kv) {
     Py_CLEAR(kv->dram_name);
     Py_CLEAR(kv->dram_chunks);
     Py_CLEAR(kv->tiers);
+    if (kv->name != NULL) Py_SET_SIZE(kv->name, MAX_NAME);  /* as it was made */
+    Py_CLEAR(kv->name);
 }
 
 static int kv_slot(PyObject *tp, const char *name, Py_ssize_t *at) {
@@ -87,6 +90,8 @@ static PyObject *fp_bind_kv(FastPath *fp, PyObject *args) {
     Py_INCREF(values); kv->values = values;
     Py_INCREF(tiers); kv->tiers = tiers;
     kv->remote = remote;
+    kv->name = PyBytes_FromStringAndSize(NULL, MAX_NAME);
+    if (kv->name == NULL) { kv_clear(kv); return NULL; }
     if (dram != Py_None) {
         kv->dram_name = PyObject_GetAttrString(dram, "name");
         if (kv->dram_name == NULL) { kv_clear(kv); return NULL; }
@@ -162,11 +167,17 @@ static PyObject *kv_probe(Kv *kv, PyObject *key, PyObject *ns, PyObject *hash) {
 
 /* The record the keyspace names kv:{ns}:{hex}, when it is the index's record of (ns, h):
  * found through the record's own key object, the dict probe is an identity check (a key built
- * here would be compared through ChunkKey.__eq__, Python code). Borrowed, or NULL. */
+ * here would be compared through ChunkKey.__eq__, Python code). Borrowed, or NULL.
+ *
+ * The name is written into kv->name, a bytes object nothing else refers to (its reference
+ * count is 1: a dict probe keeps no reference to its key), and probed with its hash computed
+ * here: no bytes object made and freed per hash. Should anything hold it, a new one is made. */
 static PyObject *kv_by_name(FastPath *fp, const Arg *ns, const Arg *h) {
     Kv *kv = &fp->kv;
     static const char hex[] = "0123456789abcdef";
-    char name[3 + MAX_NS + 1 + 2 * MAX_HASH];
+    int scratch = kv->name != NULL && Py_REFCNT(kv->name) == 1;
+    char local[MAX_NAME + 1];
+    char *name = scratch ? PyBytes_AS_STRING(kv->name) : local;
     Py_ssize_t n = 0;
     memcpy(name, "kv:", 3);
     n = 3;
@@ -178,10 +189,23 @@ static PyObject *kv_by_name(FastPath *fp, const Arg *ns, const Arg *h) {
         name[n++] = hex[c >> 4];
         name[n++] = hex[c & 15];
     }
-    PyObject *kb = PyBytes_FromStringAndSize(name, n);
-    if (kb == NULL) return NULL;
-    PyObject *rec = PyDict_GetItemWithError(fp->data, kb);
-    Py_DECREF(kb);
+    PyObject *rec;
+    if (scratch) {
+        name[n] = '\0';
+        Py_SET_SIZE(kv->name, n);
+#if PY_VERSION_HEX < 0x030D0000
+        _Py_COMP_DIAG_PUSH
+        _Py_COMP_DIAG_IGNORE_DEPR_DECLS
+        ((PyBytesObject *)kv->name)->ob_shash = -1;  /* the cached hash of the last name */
+        _Py_COMP_DIAG_POP
+#endif
+        rec = _PyDict_GetItem_KnownHash(fp->data, kv->name, _Py_HashBytes(name, n));
+    } else {
+        PyObject *kb = PyBytes_FromStringAndSize(name, n);
+        if (kb == NULL) return NULL;
+        rec = PyDict_GetItemWithError(fp->data, kb);
+        Py_DECREF(kb);
+    }
     if (rec == NULL || Py_TYPE(rec) != (PyTypeObject *)kv->rec_type) return NULL;
     PyObject *key = *(PyObject **)((char *)rec + kv->rkey_at);
     if (key == NULL || Py_TYPE(key) != (PyTypeObject *)kv->key_type) return NULL;
@@ -198,15 +222,19 @@ static PyObject *kv_by_name(FastPath *fp, const Arg *ns, const Arg *h) {
     return indexed == rec ? rec : NULL;
 }
 
-/* index.get(ChunkKey(ns, h)): a borrowed record, or NULL (an error set or not) */
-static PyObject *kv_record(FastPath *fp, PyObject *ns, const Arg *nsarg, const Arg *h) {
+/* index.get(ChunkKey(ns, h)): a borrowed record, or NULL (an error set or not). ``*ns``: the
+ * namespace as a str, made here the first time a hash needs it (NULL until then; the
+ * caller releases it). */
+static PyObject *kv_record(FastPath *fp, PyObject **ns, const Arg *nsarg, const Arg *h) {
     Kv *kv = &fp->kv;
     PyObject *rec = kv_by_name(fp, nsarg, h);
     if (rec != NULL || PyErr_Occurred()) return rec;
+    if (*ns == NULL && (*ns = PyUnicode_DecodeASCII(nsarg->p, nsarg->n, NULL)) == NULL)
+        return NULL;
     PyObject *hash = PyBytes_FromStringAndSize(h->p, h->n);  /* the index decides */
     if (hash == NULL) return NULL;
-    PyObject *key = kv_new_key(kv, ns, hash);
-    rec = key == NULL ? NULL : kv_probe(kv, key, ns, hash);
+    PyObject *key = kv_new_key(kv, *ns, hash);
+    rec = key == NULL ? NULL : kv_probe(kv, key, *ns, hash);
     Py_XDECREF(key);
     Py_DECREF(hash);
     return rec;
@@ -252,17 +280,17 @@ static int option_like(const Arg *a) {
 
 /* The arguments are a chain for us: a valid namespace, 1..max-chain-chunks hashes of 1..64
  * bytes, a last hash that is not KV.MATCH's option word nor one edit from one (KV.MGET hands
- * those over too: harmless). The namespace as a new str, or NULL (no error: not for us). */
-static PyObject *kv_chain(Kv *kv, const Arg *argv, int argc) {
-    if (kv->records == NULL || argc < 3 || !valid_ns(&argv[1])) return NULL;
+ * those over too: harmless). 1 for us, 0 not (never an error). */
+static int kv_chain(Kv *kv, const Arg *argv, int argc) {
+    if (kv->records == NULL || argc < 3 || !valid_ns(&argv[1])) return 0;
     const Arg *last = &argv[argc - 1];
-    if (name_is(last, "WITHTIERS") || name_is(last, "PREFETCH") || option_like(last)) return NULL;
+    if (name_is(last, "WITHTIERS") || name_is(last, "PREFETCH") || option_like(last)) return 0;
     long long limit = config_int(kv->values, s_max_chain);
     if (PyErr_Occurred()) PyErr_Clear();
-    if (limit < 0 || argc - 2 > limit) return NULL;  /* the error reply is Python's */
+    if (limit < 0 || argc - 2 > limit) return 0;  /* the error reply is Python's */
     for (int i = 2; i < argc; i++)
-        if (argv[i].n < 1 || argv[i].n > MAX_HASH) return NULL;
-    return PyUnicode_DecodeASCII(argv[1].p, argv[1].n, NULL);
+        if (argv[i].n < 1 || argv[i].n > MAX_HASH) return 0;
+    return 1;
 }
 
 static int is_true_slot(PyObject *obj, Py_ssize_t at) {
@@ -273,12 +301,12 @@ static int is_true_slot(PyObject *obj, Py_ssize_t at) {
 /* KV.MATCH ns hash...: 1 done, 0 not for us (nothing changed), -1 error */
 static int do_match(FastPath *fp, const Arg *argv, int argc, Out *o) {
     Kv *kv = &fp->kv;
-    PyObject *ns = kv_chain(kv, argv, argc);
-    if (ns == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (!kv_chain(kv, argv, argc)) return 0;
+    PyObject *ns = NULL;  /* made by kv_record when a hash is not found by its name */
     PyObject *found[MAX_ARGV];
     int n = 0, rc = 1;
     for (int i = 2; i < argc; i++) {
-        PyObject *rec = kv_record(fp, ns, &argv[1], &argv[i]);
+        PyObject *rec = kv_record(fp, &ns, &argv[1], &argv[i]);
         if (rec == NULL) {
             if (PyErr_Occurred()) rc = -1;
             break;
@@ -305,13 +333,13 @@ static int do_match(FastPath *fp, const Arg *argv, int argc, Out *o) {
         for (int i = 0; i < n; i++) slot_set(found[i], kv->access_at, NULL, stamp);
     for (int i = 0; i < n; i++) Py_DECREF(found[i]);
     Py_XDECREF(stamp);
-    Py_DECREF(ns);
+    Py_XDECREF(ns);
     return rc;
 }
 
 /* KV.MGET's first pass: every hash a clean miss (no shared tier) or a DRAM hit get_now serves
  * (no TTL, not moving, its slot in the arena), LARGE_VALUE bytes at most in all. */
-static int mget_ours(FastPath *fp, PyObject *ns, const Arg *argv, int argc) {
+static int mget_ours(FastPath *fp, PyObject **ns, const Arg *argv, int argc) {
     Kv *kv = &fp->kv;
     if (kv->dram == NULL || kv->remote || PyList_GET_SIZE(kv->tiers) == 0 ||
         PyList_GET_ITEM(kv->tiers, 0) != kv->dram)
@@ -389,9 +417,10 @@ static int mget_one(Kv *kv, PyObject *ns, const Arg *h, Out *o, int resp3) {
 /* KV.MGET ns hash...: 1 done, 0 not for us (nothing changed), -1 error (see the top) */
 static int do_mget(FastPath *fp, Run *run, const Arg *argv, int argc, Out *o, int resp3) {
     Kv *kv = &fp->kv;
-    PyObject *ns = kv_chain(kv, argv, argc);
-    if (ns == NULL) return PyErr_Occurred() ? -1 : 0;
-    int rc = mget_ours(fp, ns, argv, argc);
+    if (!kv_chain(kv, argv, argc)) return 0;
+    PyObject *ns = PyUnicode_DecodeASCII(argv[1].p, argv[1].n, NULL);  /* get_now's */
+    if (ns == NULL) return -1;
+    int rc = mget_ours(fp, &ns, argv, argc);
     if (rc == 1) {
         Py_ssize_t mark = o->len;
         char head[32];
