@@ -7,6 +7,10 @@ Contenders, alternated round by round (the order rotates), medians of GB/s per c
 - kvstrata ``KV.RESERVE`` + copy + ``KV.COMMIT`` per chunk (2n round trips);
 - kvstrata ``KV.MRESERVE`` of the n chunks + n copies + one ``KV.COMMIT`` (``reserve_chain``;
   2 round trips);
+- kvstrata ``put_chain`` of the n chunks: streamed in parts of ``PIPE_BYTES`` (8 MiB), the
+  next part's ``KV.MRESERVE`` sent before a part is filled and its ``KV.COMMIT`` after, so the
+  server reserves and publishes while the client copies (issue 31,
+  ``kvstrata.clients.chain_stream``; a request of one part is the batch put);
 - the same, the chunks published as soon as they are copied, in groups of ~4 MiB
   (``WriteBatch.publish``: ``KV.COMMIT lease i…`` of each group; since issue 22 it waits for
   its reply, so that a refusal is heard at once);
@@ -133,6 +137,12 @@ class KvstrataShm:
                 np.copyto(batch.array(i), self.srcs[i])
         self.stored += hashes
 
+    def put_chain(self) -> None:
+        hashes = self._hashes(b"t")
+        states = self.kv.put_chain(NS, hashes, self.srcs, tokens=256)
+        assert states == ["stored"] * self.n, states
+        self.stored += hashes
+
     def put_published(self) -> None:
         self.batch = self._hashes(b"p")
         sizes = [s.nbytes for s in self.srcs]
@@ -170,7 +180,8 @@ def measure(
 ) -> dict[str, float]:
     k = KvstrataShm(kv, mib, n)
     steps: dict[str, Callable[[], object]] = {
-        "chunk put": k.put_per_chunk, "batch put": k.put_batched, "publish put": k.put_published,
+        "chunk put": k.put_per_chunk, "batch put": k.put_batched, "chain put": k.put_chain,
+        "publish put": k.put_published,
         "hashed put": k.put_hashed, "lease get": k.get_leased, "memcpy": k.memcpy,
     }  # fmt: skip
     if lmc is not None:
@@ -198,6 +209,7 @@ def measure(
     out = {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
     pairs = (("batch put", "lmc put"), ("publish put", "lmc put"), ("lease get", "lmc get"),
              ("publish put", "chunk put"), ("batch put", "memcpy"), ("publish put", "memcpy"),
+             ("chain put", "memcpy"), ("chain put", "lmc put"),
              ("hashed put", "memcpy"), ("lease get", "memcpy"))  # fmt: skip
     for a, b in pairs:
         if b in times:  # a busy machine slows a whole round: the ratio within rounds is steadier
@@ -250,10 +262,12 @@ def main() -> None:
     print()
     print("Against memcpy (medians of per-round ratios; 'hashed': the batch put without a client")
     print("digest, the server hashing each slot at commit, as before issue 31)")
-    print(f"{'MiB':>4} {'batch/memcpy':>13} {'publish/memcpy':>15} {'hashed/memcpy':>14}"
-          f" {'lease get/memcpy':>17}")  # fmt: skip
+    print(f"{'MiB':>4} {'batch/memcpy':>13} {'chain/memcpy':>13} {'chain/LMC':>10}"
+          f" {'publish/memcpy':>15} {'hashed/memcpy':>14} {'lease get/memcpy':>17}")  # fmt: skip
     for mib, _, g in rows:
-        print(f"{mib:>4} {g['batch put/memcpy']:>13.2f} {g['publish put/memcpy']:>15.2f}"
+        print(f"{mib:>4} {g['batch put/memcpy']:>13.2f} {g['chain put/memcpy']:>13.2f}"
+              f" {g.get('chain put/lmc put', nan):>10.2f}"
+              f" {g['publish put/memcpy']:>15.2f}"
               f" {g['hashed put/memcpy']:>14.2f} {g['lease get/memcpy']:>17.2f}")  # fmt: skip
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import redis
 
-from kvstrata.clients import AsyncClient, Client, LeaseError
+from kvstrata.clients import AsyncClient, Client, LeaseError, chain_stream
 from kvstrata.clients import handles as client_handles
 from kvstrata.clients.handles import RegionMapError
 from kvstrata.clients.leases import batch_slices
@@ -81,50 +81,105 @@ def test_all_stored_gives_a_batch_without_lease(server: RunningServer) -> None:
         assert kv.put_chain(NS, hs, [payload(0), payload(1)]) == ["exists", "exists"]
 
 
-def test_put_chain_cuts_long_chains_and_links_them(
+class Wire:
+    """What a blocking client sends and reads on the connection of its first KV.MRESERVE, and
+    the slots it fills, in order: ``"> KV.MRESERVE 3"`` (a reservation of 3 chunks),
+    ``"> KV.COMMIT + KV.MRESERVE 2"`` (two commands in one write), ``"< Simple"`` (a reply read,
+    by type), ``"fill"`` (a slot written). Other connections (one opened to map the arena) and
+    KV.REGIONS are left out."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from kvstrata.clients.connection import SyncConnection
+        from kvstrata.clients.sync_leases import WriteBatch
+
+        self.events: list[tuple[int, str]] = []
+        send, receive, pipeline = (
+            SyncConnection.send,
+            SyncConnection.receive,
+            SyncConnection.pipeline,
+        )
+        write = WriteBatch.write
+
+        def sent(conn: SyncConnection, commands: Any) -> None:
+            names = [
+                f"{c[0]} {int(c[3])}" if c[0] == "KV.MRESERVE" else str(c[0]) for c in commands
+            ]
+            self.events.append((id(conn), "> " + " + ".join(names)))  # one write
+
+        def read(conn: SyncConnection, replies: list[Any]) -> list[Any]:
+            self.events += [(id(conn), f"< {type(r).__name__}") for r in replies]
+            return replies
+
+        def on_send(conn: SyncConnection, commands: Any, outs: Any = None) -> None:
+            sent(conn, commands)
+            send(conn, commands, outs)
+
+        def on_receive(conn: SyncConnection, count: int) -> list[Any]:
+            return read(conn, receive(conn, count))
+
+        def on_pipeline(conn: SyncConnection, commands: Any, outs: Any = None) -> list[Any]:
+            sent(conn, commands)
+            return read(conn, pipeline(conn, commands, outs))
+
+        def on_write(batch: WriteBatch, i: int, data: Any, offset: int = 0) -> None:
+            self.events.append((0, "fill"))
+            write(batch, i, data, offset)
+
+        monkeypatch.setattr(SyncConnection, "send", on_send)
+        monkeypatch.setattr(SyncConnection, "receive", on_receive)
+        monkeypatch.setattr(SyncConnection, "pipeline", on_pipeline)
+        monkeypatch.setattr(WriteBatch, "write", on_write)
+
+    def kv(self) -> list[str]:
+        main = next(c for c, e in self.events if e.startswith("> KV.MRESERVE"))
+        out, regions = [], False  # (a KV.REGIONS round trip on it: the arena mapped)
+        for c, e in self.events:
+            if c not in (0, main):
+                continue
+            if e == "> KV.REGIONS" or (regions and e.startswith("<")):
+                regions = not regions
+                continue
+            out.append(e)
+        return out
+
+
+def test_put_chain_streams_long_chains_and_links_them(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With batches of at most 3 chunks, a chain of 8 goes in three KV.MRESERVE; the links
-    cross batch borders and the parent of the first chunk is kept. Each batch's KV.COMMIT goes
-    in one write with the next batch's KV.MRESERVE: 4 round trips, not 6."""
-    import kvstrata.clients.sync as sync_mod
-    from kvstrata.clients.connection import SyncConnection
-
-    monkeypatch.setattr(sync_mod, "batch_slices", lambda sizes: batch_slices(sizes, 3))
-    trips: list[list[tuple[str, int]]] = []
-    real = SyncConnection.pipeline
-
-    def counting(self: SyncConnection, commands: Any, outs: Any = None) -> list[Any]:
-        trips.append([(str(c[0]), int(c[3]) if c[0] == "KV.MRESERVE" else 0) for c in commands])
-        return real(self, commands, outs)
-
+    """With parts of 3 chunks (PIPE_BYTES, PIPE_CHUNKS), a chain of 8 goes in three KV.MRESERVE on
+    one connection, each part's reservation sent before the part ahead of it is filled (the
+    server reserves while the client copies) and with the commit of the part before, each
+    commit's reply read before the next commit is sent; the links cross part borders and the
+    parent of the first chunk is kept."""
+    monkeypatch.setattr(chain_stream, "PIPE_BYTES", 3000)
+    monkeypatch.setattr(chain_stream, "PIPE_CHUNKS", 1)
     with Client(port=server.port) as kv:
         kv.put(NS, b"root", None, b"r")
         hs = hashes(8)
         data = [np.full(1000 + i, i, np.uint8) for i in range(8)]
-        monkeypatch.setattr(SyncConnection, "pipeline", counting)
+        wire = Wire(monkeypatch)
         assert kv.put_chain(NS, hs, data, parent=b"root", tokens=16) == ["stored"] * 8
-        monkeypatch.setattr(SyncConnection, "pipeline", real)
-        trips = [t for t in trips if t[0][0] != "KV.REGIONS"]
-        assert trips == [
-            [("KV.MRESERVE", 3)],
-            [("KV.COMMIT", 0), ("KV.MRESERVE", 3)],
-            [("KV.COMMIT", 0), ("KV.MRESERVE", 2)],
-            [("KV.COMMIT", 0)],
-        ]
+        fill3 = ["fill"] * 3
+        assert wire.kv() == [
+            "> KV.MRESERVE 3", "< list",
+            "> KV.MRESERVE 3", *fill3, "< list", "> KV.COMMIT + KV.MRESERVE 2",
+            *fill3, "< Simple", "< list", "> KV.COMMIT",
+            "fill", "fill", "< Simple", "> KV.COMMIT", "< Simple",
+        ]  # fmt: skip
+        monkeypatch.undo()
         assert kv.match(NS, [b"root", *hs]) == 9
         assert kv.mget(NS, hs) == [d.tobytes() for d in data]
+        assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
 
 
-def test_pipelined_put_chain_reports_existing_chunks_and_whole_existing_batches(
+def test_streamed_put_chain_reports_existing_chunks_and_whole_existing_parts(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Batches of 2: the second one (reserved with the first's commit) holds a stored chunk,
-    the third is stored whole (no lease: nothing to commit, the fourth is reserved on its
-    own); every state is right and the bytes read back exactly, no lease left."""
-    import kvstrata.clients.sync as sync_mod
-
-    monkeypatch.setattr(sync_mod, "batch_slices", lambda sizes: batch_slices(sizes, 2))
+    """Parts of 2: the second one holds a stored chunk, the third is stored whole (no lease:
+    nothing to fill or commit); every state is right and the bytes read back exactly, no lease
+    left."""
+    monkeypatch.setattr(chain_stream, "PIPE_BYTES", 2 * 4096)
+    monkeypatch.setattr(chain_stream, "PIPE_CHUNKS", 1)
     hs = hashes(8)
     with Client(port=server.port) as kv:
         for i in (2, 4, 5):
@@ -137,16 +192,16 @@ def test_pipelined_put_chain_reports_existing_chunks_and_whole_existing_batches(
         assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
 
 
-def test_async_put_chain_pipelines_and_aborts_the_reservation_of_a_failed_commit(
+def test_async_put_chain_streams_and_aborts_the_reservation_ahead_of_a_failed_commit(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The async client does as the blocking one: batches of 2 chunks, each commit sent with
-    the next reservation (stored chunks and a whole stored batch reported as such, exact
-    bytes, no lease left); a refused commit aborts the reservation sent with it."""
-    import kvstrata.clients.aio as aio_mod
+    """The async client does as the blocking one: parts of 2 chunks (stored chunks and a
+    whole stored part reported as such, exact bytes, no lease left); a refused commit aborts
+    the part filled after it before raising."""
     from kvstrata.clients.aio_leases import AsyncWriteBatch
 
-    monkeypatch.setattr(aio_mod, "batch_slices", lambda sizes: batch_slices(sizes, 2))
+    monkeypatch.setattr(chain_stream, "PIPE_BYTES", 2 * 4096)
+    monkeypatch.setattr(chain_stream, "PIPE_CHUNKS", 1)
     hs = hashes(8, b"q")
 
     async def main() -> None:
@@ -168,56 +223,59 @@ def test_async_put_chain_pipelines_and_aborts_the_reservation_of_a_failed_commit
             with pytest.raises(Exception, match="DIGEST"):
                 await kv.put_chain(NS, more, [payload(i) for i in range(4)])
             monkeypatch.setattr(AsyncWriteBatch, "commit_args", real)
+            assert await kv.match(NS, more) == 0
             async with AsyncClient(port=server.port) as other:
                 batch = await other.reserve_chain(NS, more[1], more[2:], [4096, 4096])
                 assert batch.states == ("reserved", "reserved")  # the lease was aborted
                 await batch.abort()
 
     asyncio.run(main())
-    # the refused batch's own lease ends with its connection
+    # the refused part's own lease ends with its connection
     assert wait_for(lambda: redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0)
 
 
-def test_pipelined_reservation_refused_is_made_again_and_halved(
+def test_a_refused_reservation_ends_the_stream_and_the_rest_is_halved(
     make_server: Callable[..., RunningServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The second batch (3 MiB) goes with the first's commit and is refused (-LEASELIMIT on a
-    4 MiB arena, nothing reserved): put_chain reserves it again on its own, halving it as
-    before, and stores the chain exactly."""
+    """The second part (3 MiB), reserved while the first (1 MiB) is filled, is refused
+    (-LEASELIMIT: 2 MiB per client on a 4 MiB arena, nothing reserved): the first part is
+    committed, and put_chain puts the rest the ordinary way, halving it, and stores the chain
+    exactly."""
     import kvstrata.clients.sync as sync_mod
 
-    monkeypatch.setattr(sync_mod, "batch_slices", lambda sizes: [slice(0, 1), slice(1, 4)])
-    from kvstrata.clients.connection import SyncConnection
-
+    monkeypatch.setattr(sync_mod, "pipe_slices", lambda sizes: [slice(0, 1), slice(1, 4)])
     srv = make_server(dram_capacity="4MiB", nvme_capacity="64MiB")
     data = [bytes([i + 1]) * (1 << 20) for i in range(4)]
-    replies: list[list[str]] = []
-    real = SyncConnection.pipeline
-
-    def seen(self: SyncConnection, commands: Any, outs: Any = None) -> list[Any]:
-        got = real(self, commands, outs)
-        replies.append([f"{c[0]} {type(r).__name__}" for c, r in zip(commands, got, strict=True)])
-        return got
-
-    monkeypatch.setattr(SyncConnection, "pipeline", seen)
     with Client(port=srv.port) as kv:
+        wire = Wire(monkeypatch)
         assert kv.put_chain(NS, hashes(4), data, tokens=16) == ["stored"] * 4
-        assert ["KV.COMMIT Simple", "KV.MRESERVE LeaseLimitError"] in replies
+        events = wire.kv()
+        assert events[:6] == [
+            "> KV.MRESERVE 1", "< list", "> KV.MRESERVE 3", "fill", "< LeaseLimitError",
+            "> KV.COMMIT",
+        ]  # fmt: skip
+        assert events[6:] == [
+            "< Simple",
+            "> KV.MRESERVE 3", "< LeaseLimitError",  # the ordinary way: refused again, halved
+            "> KV.MRESERVE 1", "< list", "fill", "> KV.COMMIT", "< Simple",
+            "> KV.MRESERVE 2", "< list", "fill", "fill", "> KV.COMMIT", "< Simple",
+        ]  # fmt: skip
+        monkeypatch.undo()
         assert kv.match(NS, hashes(4)) == 4
         assert kv.mget(NS, hashes(4)) == data
         assert redis.Redis(port=srv.port).info("tiers")["kv_leases"] == 0
 
 
-def test_a_failed_commit_aborts_the_reservation_sent_with_it(
+def test_a_failed_commit_aborts_the_part_filled_after_it(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first batch's KV.COMMIT is refused (a malformed digest: the server touches no
-    lease); the second batch, reserved in the same write, is aborted before the error is
-    raised: its chunks are free for another client at once, nothing of it is stored."""
-    import kvstrata.clients.sync as sync_mod
+    """The first part's KV.COMMIT is refused (a malformed digest: the server touches no
+    lease); the second part, reserved ahead and filled meanwhile, is aborted before the error
+    is raised: its chunks are free for another client at once, nothing of it is stored."""
     from kvstrata.clients.sync_leases import WriteBatch
 
-    monkeypatch.setattr(sync_mod, "batch_slices", lambda sizes: batch_slices(sizes, 2))
+    monkeypatch.setattr(chain_stream, "PIPE_BYTES", 2 * 4096)
+    monkeypatch.setattr(chain_stream, "PIPE_CHUNKS", 1)
     real = WriteBatch.commit_args
 
     def bad_digests(self: WriteBatch, indexes: Any) -> Any:
@@ -234,6 +292,43 @@ def test_a_failed_commit_aborts_the_reservation_sent_with_it(
         with other.reserve_chain(NS, hs[1], hs[2:], [4096, 4096]) as batch:
             assert batch.states == ("reserved", "reserved")  # not "busy": the lease is gone
             batch.abort()
+
+
+def test_an_exception_while_filling_aborts_that_part_and_the_one_reserved_ahead(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts of 2; copying chunk 3 (the second part) raises: the exception reaches the caller,
+    the first part stays stored (its commit was in flight), the second part's slots and the
+    third part's reservation (sent before the second was filled) are aborted at once: another
+    client reserves all four chunks, nothing is left leased, and the stream's connection
+    serves the next call in step."""
+    from kvstrata.clients.sync_leases import WriteBatch
+
+    monkeypatch.setattr(chain_stream, "PIPE_BYTES", 2 * 4096)
+    monkeypatch.setattr(chain_stream, "PIPE_CHUNKS", 1)
+    real = WriteBatch.write
+
+    def failing(self: WriteBatch, i: int, data: Any, offset: int = 0) -> None:
+        if self.hashes[i] == hs[3]:
+            raise RuntimeError("copy failed")
+        real(self, i, data, offset)
+
+    monkeypatch.setattr(WriteBatch, "write", failing)
+    hs = hashes(6, b"x")
+    with Client(port=server.port, max_connections=2) as kv, Client(port=server.port) as other:
+        with pytest.raises(RuntimeError, match="copy failed"):
+            kv.put_chain(NS, hs, [payload(i) for i in range(6)])
+        monkeypatch.setattr(WriteBatch, "write", real)
+        assert kv.match(NS, hs) == 2
+        assert kv.mget(NS, hs[:2]) == [payload(0), payload(1)]
+        with other.reserve_chain(NS, hs[1], hs[2:], [4096] * 4) as batch:
+            assert batch.states == ("reserved",) * 4  # none "busy": both leases are gone
+            batch.abort()
+        assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
+        assert (
+            kv.put_chain(NS, hs, [payload(i) for i in range(6)]) == ["exists"] * 2 + ["stored"] * 4
+        )
+        assert kv.mget(NS, hs) == [payload(i) for i in range(6)]
 
 
 def test_put_chain_halves_a_batch_the_servers_per_client_reserve_limit_refuses(
@@ -261,6 +356,28 @@ def test_put_chain_halves_a_batch_the_servers_per_client_reserve_limit_refuses(
             assert await kv.match(NS, hs) == 4
 
     asyncio.run(main())
+
+
+def test_pipe_slices() -> None:
+    """Parts of at least PIPE_CHUNKS chunks and PIPE_BYTES bytes, the rest in the last one;
+    never over a batch's bounds."""
+    from kvstrata.clients.chain_stream import pipe_slices
+
+    assert pipe_slices([]) == []
+    mib = 1 << 20
+    assert pipe_slices([mib] * 20) == [slice(0, 8), slice(8, 16), slice(16, 20)]
+    assert pipe_slices([mib // 4] * 40) == [slice(0, 32), slice(32, 40)]  # 8 MiB
+    assert pipe_slices([8 * mib] * 8) == [slice(0, 8)]  # one part: not streamed
+    assert pipe_slices([5] * 5, min_bytes=8, min_chunks=1) == [
+        slice(0, 2),
+        slice(2, 4),
+        slice(4, 5),
+    ]
+    assert pipe_slices([1] * 600, min_bytes=10**9) == [
+        slice(0, 256),
+        slice(256, 512),
+        slice(512, 600),
+    ]
 
 
 def test_batch_slices() -> None:
@@ -375,9 +492,10 @@ def test_publish_sends_each_chunk_without_waiting_and_commit_collects(
         assert batch.published == [(0,), (1,)] and batch.unpublished() == [2, 3] and batch.done
         assert kv.mget(NS, hs) == [b"a" * 100, b"b" * 100, b"c" * 100, b"d" * 100]
         more = hashes(3, b"m")
-        with pytest.raises(RuntimeError, match="boom"), kv.reserve_chain(
-            NS, hs[3], more, [10] * 3
-        ) as failing:
+        with (
+            pytest.raises(RuntimeError, match="boom"),
+            kv.reserve_chain(NS, hs[3], more, [10] * 3) as failing,
+        ):
             failing.write(0, b"x" * 10)
             failing.publish(0)
             raise RuntimeError("boom")

@@ -14,12 +14,21 @@ Create it inside the event loop that uses it (``await AsyncClient.connect(...)``
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvstrata.clients import commands as cmd
 from kvstrata.clients.aio_leases import AsyncLease, AsyncWriteBatch, AsyncWriteLease
 from kvstrata.clients.aioconn import AsyncConnection, AsyncConnectionPool
+from kvstrata.clients.chain_stream import (
+    READ,
+    MakeBatch,
+    Send,
+    StreamOpts,
+    pipe_slices,
+    stream_chain,
+)
 from kvstrata.clients.commands import Call, HashLike
 from kvstrata.clients.connection import (
     LEASE_CONN_CLOSED,
@@ -59,20 +68,11 @@ def _command(
     return cmd.method_like(build, method)
 
 
-#: the next batch of a chain, reserved with the commit of one (``put_chain``): its hashes,
-#: sizes, parent and tokens
-_Next = tuple[Sequence[HashLike], Sequence[int], HashLike, int]
-
-
-async def _fill(
-    batch: AsyncWriteBatch, srcs: Sequence[Any], nxt: _Next | None
-) -> tuple[list[str], AsyncWriteBatch | None]:
-    """Copy ``srcs`` into the slots, then commit with the reservation of ``nxt`` (see
-    ``sync._fill``)."""
+def _fill(batch: AsyncWriteBatch, srcs: Sequence[Any]) -> list[str]:
+    """Copy ``srcs`` into the slots (inside the batch's ``async with``, which commits them)."""
     for i in batch.reserved:
         batch.write(i, srcs[i])
-    ahead = None if nxt is None else await batch.commit_then_reserve(nxt)
-    return put_states(batch.states), ahead
+    return put_states(batch.states)
 
 
 class AsyncPipeline(PipelineBase):
@@ -257,107 +257,99 @@ class AsyncClient:
         tokens: int = 0,
     ) -> list[str]:
         """Store a chain, skipping chunks stored already (see
-        :meth:`kvstrata.clients.Client.put_chain`)."""
+        :meth:`kvstrata.clients.Client.put_chain`: streamed when over one part)."""
         if len(payloads) != len(hashes):
             raise ValueError("put_chain needs one payload per hash")
         srcs = [as_bytes_view(p) for p in payloads]
         sizes = [len(b) for b in srcs]
-        parts = batch_slices(sizes)
         out: list[str] = []
-        ahead: AsyncWriteBatch | None = None  # this part's slots, reserved with the last commit
-        for k, part in enumerate(parts):
-            nxt: _Next | None = None
-            if k + 1 < len(parts):
-                following = parts[k + 1]
-                nxt = (hashes[following], sizes[following], hashes[following.start - 1], tokens)
-            if ahead is None:
-                link = parent if part.start == 0 else hashes[part.start - 1]
-                states, ahead = await self._put_batch(
-                    ns, hashes[part], srcs[part], link, tokens, nxt
-                )
-            else:
-                batch, ahead = ahead, None
-                async with batch:  # an exception while filling aborts the slots
-                    states, ahead = await _fill(batch, srcs[part], nxt)
-            out += states
+        start = 0
+        if self.shared_memory and self.pool.max_connections > 1:  # (regions: a 2nd connection)
+            parts = pipe_slices(sizes)
+            if len(parts) > 1:
+                out, done = await self._stream(ns, hashes, srcs, sizes, parts, parent, tokens)
+                start = parts[done].start if done < len(parts) else len(hashes)
+        for part in batch_slices(sizes[start:]):  # what was not streamed, the ordinary way
+            part = slice(start + part.start, start + part.stop)
+            link = parent if part.start == 0 else hashes[part.start - 1]
+            out += await self._put_batch(ns, hashes[part], srcs[part], link, tokens)
         return out
 
-    async def _put_batch(
+    async def _stream(
         self,
         ns: str,
         hashes: Sequence[HashLike],
         srcs: Sequence[Any],
-        parent: Any,
+        sizes: Sequence[int],
+        parts: Sequence[slice],
+        parent: HashLike | None,
         tokens: int,
-        nxt: _Next | None = None,
-    ) -> tuple[list[str], AsyncWriteBatch | None]:
-        """One batch, halved on -LEASELIMIT; ``nxt`` reserved with its commit where it can be
-        (see :meth:`kvstrata.clients.Client._put_batch`)."""
+    ) -> tuple[list[str], int]:
+        """``chain_stream.stream_chain`` on one borrowed connection (see ``Client._stream``).
+        The fills run on the event loop between the sends, as a batch's ``write`` does."""
+        opts = StreamOpts(self._digests)
+        async with self.pool.connection() as conn:
+            steps = stream_chain(ns, hashes, srcs, sizes, parts, parent, tokens, opts)
+            replies: deque[asyncio.Future[Any]] = deque()
+            try:
+                step = next(steps)
+                while True:
+                    if step is READ:
+                        step = steps.send(await replies.popleft())
+                    elif isinstance(step, Send):
+                        replies.extend(conn.send(step.commands))
+                        step = next(steps)
+                    else:
+                        assert isinstance(step, MakeBatch)
+                        try:
+                            batch = await self._batch_of(ns, step, conn)
+                        except Exception as exc:  # the stream aborts its lease
+                            step = steps.throw(exc)
+                        else:
+                            step = steps.send(batch)
+            except StopIteration as stop:
+                return stop.value
+            except asyncio.CancelledError:
+                conn.close()  # replies in flight would arrive for nobody
+                raise
+            finally:
+                self._digests = opts.digests
+
+    async def _batch_of(self, ns: str, step: MakeBatch, conn: AsyncConnection) -> AsyncWriteBatch:
+        regions = await self._regions_for([h for h in step.grant.handles if h is not None])
+        keys = [bytes(cmd.hash_bytes(h)) for h in step.hashes]
+        return AsyncWriteBatch(self, ns, keys, step.grant, regions, conn=conn)
+
+    async def _put_batch(
+        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
+    ) -> list[str]:
+        """One batch, halved on -LEASELIMIT (see :meth:`kvstrata.clients.Client._put_batch`)."""
         try:
-            return await self._put_batch_once(ns, hashes, srcs, parent, tokens, nxt)
+            return await self._put_batch_once(ns, hashes, srcs, parent, tokens)
         except LeaseLimitError:
             if len(hashes) < 2:
                 raise
         mid = len(hashes) // 2
-        first, _ = await self._put_batch(ns, hashes[:mid], srcs[:mid], parent, tokens)
-        rest, ahead = await self._put_batch(
-            ns, hashes[mid:], srcs[mid:], hashes[mid - 1], tokens, nxt
-        )
-        return first + rest, ahead
+        first = await self._put_batch(ns, hashes[:mid], srcs[:mid], parent, tokens)
+        rest = await self._put_batch(ns, hashes[mid:], srcs[mid:], hashes[mid - 1], tokens)
+        return first + rest
 
     async def _put_batch_once(
-        self,
-        ns: str,
-        hashes: Sequence[HashLike],
-        srcs: Sequence[Any],
-        parent: Any,
-        tokens: int,
-        nxt: _Next | None,
-    ) -> tuple[list[str], AsyncWriteBatch | None]:
+        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
+    ) -> list[str]:
         if self.shared_memory:
             sizes = [len(b) for b in srcs]
             try:
                 batch = await self.reserve_chain(ns, parent, hashes, sizes, tokens, tier="dram")
                 async with batch:
-                    return await _fill(batch, srcs, nxt)
+                    return _fill(batch, srcs)
             except RegionMapError:
                 self.shared_memory = False  # the server is on another host: bytes over TCP
         p = self.pipeline()
         for h, src in zip(hashes, srcs, strict=True):
             p.put(ns, h, parent, src, tokens=tokens, nx=True)
             parent = h
-        return ["stored" if ok else "exists" for ok in await p.execute()], None
-
-    async def _commit_then_reserve(
-        self, batch: AsyncWriteBatch, nxt: _Next, conn: AsyncConnection
-    ) -> AsyncWriteBatch | None:
-        """``AsyncWriteBatch.commit_then_reserve`` (see ``Client._commit_then_reserve``)."""
-        hashes, sizes, parent, tokens = nxt
-        named, digests = batch.commit_args(())
-        if not self._digests:
-            digests = ()
-        commit = cmd.commit(batch._lease(), *named, digests=digests)
-        reserve = cmd.mreserve(batch.namespace, parent, hashes, sizes, tokens, tier="dram")
-        if conn.closed:
-            raise LeaseError(LEASE_CONN_CLOSED)
-        done, reply = await conn.pipeline([commit.args, reserve.args], [None, None])
-        grant = None if isinstance(reply, RespError) else reserve.result(reply)
-        try:
-            if isinstance(done, RespError):
-                if not (digests and cmd.refuses_digests(done)):
-                    raise done
-                self._digests = False  # an older server: it hashes the slots itself
-                await self._run(cmd.commit(batch._lease(), *named), conn)
-        except BaseException:
-            if grant is not None and grant.lease_id is not None:
-                await self.abort(grant.lease_id, via=conn)  # nothing of the next batch is kept
-            raise
-        if grant is None:
-            return None  # refused: the caller reserves that batch again and hears why
-        try:
-            return await self._write_batch(batch.namespace, hashes, grant, conn)
-        except Exception:  # its lease is aborted; reserved again, the error is raised then
-            return None
+        return ["stored" if ok else "exists" for ok in await p.execute()]
 
     async def commit(
         self,

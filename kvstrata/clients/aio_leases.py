@@ -144,24 +144,6 @@ class AsyncWriteBatch(_CommitOnExit, WriteBatchBase):
             named, digests = self.commit_args(())
             await self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
 
-    async def commit_then_reserve(self, nxt: Any) -> AsyncWriteBatch | None:
-        """:meth:`commit` with the next batch's ``KV.MRESERVE`` in the same write (see
-        :meth:`kvstrata.clients.sync.WriteBatch.commit_then_reserve`)."""
-        if self.done and self.grant.lease_id is None:
-            return None  # nothing was reserved: the next batch is reserved on its own
-        if self.done:
-            raise RuntimeError("this write batch is already committed or aborted")
-        try:  # the server publishes the slots: the engine's writes must be done
-            await _wait(self.fence(), strict=True)
-        except Exception:
-            await self.abort()  # never publish bytes not known to be complete
-            raise
-        self.done = True
-        if not self.unpublished():
-            return None
-        assert self._conn is not None
-        return await self._client._commit_then_reserve(self, nxt, self._conn)
-
     async def abort(self) -> None:
         """Discard the chunks not published yet (see
         :meth:`kvstrata.clients.sync.WriteBatch.abort`)."""

@@ -132,6 +132,21 @@ class AsyncConnection:
         self, commands: Sequence[Sequence[Any]], outs: Sequence[OutSpec] | None = None
     ) -> list[Any]:
         """Send all commands, then await all replies (error replies are returned, not raised)."""
+        futures = self.send(commands, outs)
+        try:
+            await self._proto.drain()
+            return [await fut for fut in futures]
+        except asyncio.CancelledError:
+            # the replies would arrive for nobody and an `out` could be written later: drop it
+            self.close()
+            raise
+
+    def send(
+        self, commands: Sequence[Sequence[Any]], outs: Sequence[OutSpec] | None = None
+    ) -> list[asyncio.Future[Any]]:
+        """Write all commands now and return the futures of their replies, not awaiting them
+        (a streamed put sends the next part's reservation before it fills one). Whoever
+        stops awaiting them must close the connection (see :meth:`pipeline`)."""
         if self.closed:
             raise _as_closed(self._proto.closed_exc or ConnectionClosedError("closed"))
         outs = list(outs) if outs is not None else [None] * len(commands)
@@ -148,13 +163,7 @@ class AsyncConnection:
         else:
             for buf in buffers:
                 self._transport.write(buf)
-        try:
-            await self._proto.drain()
-            return [await fut for fut in futures]
-        except asyncio.CancelledError:
-            # the replies would arrive for nobody and an `out` could be written later: drop it
-            self.close()
-            raise
+        return futures
 
     def close(self) -> None:
         self._proto._fail(ConnectionClosedError("connection closed by the client"))
@@ -194,6 +203,7 @@ class AsyncConnectionPool:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         self.settings = settings
+        self.max_connections = max_connections
         self._idle: list[AsyncConnection] = []
         self._slots = asyncio.Semaphore(max_connections)
         self._all: set[AsyncConnection] = set()

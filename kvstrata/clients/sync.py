@@ -22,6 +22,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvstrata.clients import commands as cmd
+from kvstrata.clients.chain_stream import (
+    READ,
+    MakeBatch,
+    Send,
+    StreamOpts,
+    pipe_slices,
+    stream_chain,
+)
 from kvstrata.clients.commands import Call, HashLike
 from kvstrata.clients.connection import (
     ConnectionPool,
@@ -54,21 +62,11 @@ def _command(build: Callable[P, Call[T]]) -> Callable[Concatenate[Client, P], T]
     return cmd.method_like(build, method)
 
 
-#: the next batch of a chain, reserved with the commit of one (``put_chain``): its hashes,
-#: sizes, parent and tokens
-_Next = tuple[Sequence[HashLike], Sequence[int], HashLike, int]
-
-
-def _fill(
-    batch: WriteBatch, srcs: Sequence[Any], nxt: _Next | None
-) -> tuple[list[str], WriteBatch | None]:
-    """Copy ``srcs`` into ``batch``'s slots (inside its ``with``); then commit it with the
-    reservation of ``nxt`` when given (that batch, or None), else leave the commit to the
-    ``with``."""
+def _fill(batch: WriteBatch, srcs: Sequence[Any]) -> list[str]:
+    """Copy ``srcs`` into ``batch``'s slots (inside its ``with``, which commits them)."""
     for i in batch.reserved:
         batch.write(i, srcs[i])
-    ahead = None if nxt is None else batch.commit_then_reserve(nxt)
-    return put_states(batch.states), ahead
+    return put_states(batch.states)
 
 
 class Pipeline(PipelineBase):
@@ -247,106 +245,100 @@ class Client:
     ) -> list[str]:
         """Store the chain ``hashes`` (the first linked to ``parent``), skipping chunks stored
         already. On the server's host: ``KV.MRESERVE``, one copy per chunk into its slot,
-        ``KV.COMMIT`` (per batch of at most ``BATCH_CHUNKS`` chunks / ``BATCH_BYTES``); else
-        (or once the arena proved unreachable) one pipelined write of ``KV.PUT … NX``. Per
-        chunk: ``"stored"``, ``"exists"`` or ``"busy"`` (another client is writing it)."""
+        ``KV.COMMIT``; a chain of more than one part (``chain_stream.pipe_slices``: 8 chunks
+        and 8 MiB at least) is streamed, one part reserved ahead, so the server reserves and
+        publishes while this client copies (:mod:`kvstrata.clients.chain_stream`). Else (or
+        once the arena proved unreachable) one pipelined write of ``KV.PUT … NX`` per batch of
+        at most ``BATCH_CHUNKS`` chunks / ``BATCH_BYTES``. Per chunk: ``"stored"``,
+        ``"exists"`` or ``"busy"`` (another client is writing it)."""
         if len(payloads) != len(hashes):
             raise ValueError("put_chain needs one payload per hash")
         srcs = [as_bytes_view(p) for p in payloads]
         sizes = [len(b) for b in srcs]
-        parts = batch_slices(sizes)
         out: list[str] = []
-        ahead: WriteBatch | None = None  # this part's slots, reserved with the last commit
-        for k, part in enumerate(parts):
-            nxt: _Next | None = None
-            if k + 1 < len(parts):
-                following = parts[k + 1]
-                nxt = (hashes[following], sizes[following], hashes[following.start - 1], tokens)
-            if ahead is None:
-                link = parent if part.start == 0 else hashes[part.start - 1]
-                states, ahead = self._put_batch(ns, hashes[part], srcs[part], link, tokens, nxt)
-            else:
-                batch, ahead = ahead, None
-                with batch:  # an exception while filling aborts the slots
-                    states, ahead = _fill(batch, srcs[part], nxt)
-            out += states
+        start = 0
+        if self.shared_memory and self.pool.max_connections > 1:  # (regions: a 2nd connection)
+            parts = pipe_slices(sizes)
+            if len(parts) > 1:
+                out, done = self._stream(ns, hashes, srcs, sizes, parts, parent, tokens)
+                start = parts[done].start if done < len(parts) else len(hashes)
+        for part in batch_slices(sizes[start:]):  # what was not streamed, the ordinary way
+            part = slice(start + part.start, start + part.stop)
+            link = parent if part.start == 0 else hashes[part.start - 1]
+            out += self._put_batch(ns, hashes[part], srcs[part], link, tokens)
         return out
 
-    def _put_batch(
+    def _stream(
         self,
         ns: str,
         hashes: Sequence[HashLike],
         srcs: Sequence[Any],
-        parent: Any,
+        sizes: Sequence[int],
+        parts: Sequence[slice],
+        parent: HashLike | None,
         tokens: int,
-        nxt: _Next | None = None,
-    ) -> tuple[list[str], WriteBatch | None]:
+    ) -> tuple[list[str], int]:
+        """``chain_stream.stream_chain`` driven on one connection held throughout (replies in
+        flight on it belong to the stream): its states and how many parts it put."""
+        opts = StreamOpts(self._digests)
+        with self.pool.connection() as conn:
+            steps = stream_chain(ns, hashes, srcs, sizes, parts, parent, tokens, opts)
+            try:
+                step = next(steps)
+                while True:
+                    if step is READ:
+                        step = steps.send(conn.receive(1)[0])
+                    elif isinstance(step, Send):
+                        conn.send(step.commands)
+                        step = next(steps)
+                    else:
+                        assert isinstance(step, MakeBatch)
+                        try:
+                            batch = self._batch_of(ns, step, conn)
+                        except Exception as exc:  # the stream aborts its lease
+                            step = steps.throw(exc)
+                        else:
+                            step = steps.send(batch)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                self._digests = opts.digests
+
+    def _batch_of(self, ns: str, step: MakeBatch, conn: SyncConnection) -> WriteBatch:
+        regions = self._regions_for([h for h in step.grant.handles if h is not None])
+        keys = [bytes(cmd.hash_bytes(h)) for h in step.hashes]
+        return WriteBatch(self, ns, keys, step.grant, regions, conn=conn)
+
+    def _put_batch(
+        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
+    ) -> list[str]:
         """One batch; halved while the server refuses its reservation with -LEASELIMIT (the
         batch is over ``lease-reserve-max-per-client``, e.g. on a small arena: the server
-        reserved nothing), until a single chunk is refused. ``nxt``: the next batch of the
-        chain, reserved with this one's commit where it can be (returned, else None)."""
+        reserved nothing), until a single chunk is refused."""
         try:
-            return self._put_batch_once(ns, hashes, srcs, parent, tokens, nxt)
+            return self._put_batch_once(ns, hashes, srcs, parent, tokens)
         except LeaseLimitError:
             if len(hashes) < 2:
                 raise
         mid = len(hashes) // 2
-        first, _ = self._put_batch(ns, hashes[:mid], srcs[:mid], parent, tokens)
-        rest, ahead = self._put_batch(ns, hashes[mid:], srcs[mid:], hashes[mid - 1], tokens, nxt)
-        return first + rest, ahead
+        first = self._put_batch(ns, hashes[:mid], srcs[:mid], parent, tokens)
+        return first + self._put_batch(ns, hashes[mid:], srcs[mid:], hashes[mid - 1], tokens)
 
     def _put_batch_once(
-        self,
-        ns: str,
-        hashes: Sequence[HashLike],
-        srcs: Sequence[Any],
-        parent: Any,
-        tokens: int,
-        nxt: _Next | None,
-    ) -> tuple[list[str], WriteBatch | None]:
+        self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int
+    ) -> list[str]:
         if self.shared_memory:
             sizes = [len(b) for b in srcs]
             try:
                 with self.reserve_chain(ns, parent, hashes, sizes, tokens, tier="dram") as batch:
-                    return _fill(batch, srcs, nxt)
+                    return _fill(batch, srcs)
             except RegionMapError:
                 self.shared_memory = False  # the server is on another host: bytes over TCP
         with self.pipeline() as p:
             for h, src in zip(hashes, srcs, strict=True):
                 p.put(ns, h, parent, src, tokens=tokens, nx=True)
                 parent = h
-            return ["stored" if ok else "exists" for ok in p.execute()], None
-
-    def _commit_then_reserve(
-        self, batch: WriteBatch, nxt: _Next, conn: SyncConnection
-    ) -> WriteBatch | None:
-        """``WriteBatch.commit_then_reserve``: the batch's KV.COMMIT and the KV.MRESERVE of
-        ``nxt`` in one write on ``conn`` (the server runs them in that order)."""
-        hashes, sizes, parent, tokens = nxt
-        named, digests = batch.commit_args(())
-        if not self._digests:
-            digests = ()
-        commit = cmd.commit(batch._lease(), *named, digests=digests)
-        reserve = cmd.mreserve(batch.namespace, parent, hashes, sizes, tokens, tier="dram")
-        with self.pool.connection(conn) as c:
-            done, reply = c.pipeline([commit.args, reserve.args], [None, None])
-        grant = None if isinstance(reply, RespError) else reserve.result(reply)
-        try:
-            if isinstance(done, RespError):
-                if not (digests and cmd.refuses_digests(done)):
-                    raise done
-                self._digests = False  # an older server: it hashes the slots itself
-                self._run(cmd.commit(batch._lease(), *named), conn)
-        except BaseException:
-            if grant is not None and grant.lease_id is not None:
-                self.abort(grant.lease_id, via=conn)  # nothing of the next batch is kept
-            raise
-        if grant is None:
-            return None  # refused: the caller reserves that batch again and hears why
-        try:
-            return self._write_batch(batch.namespace, hashes, grant, conn)
-        except Exception:  # its lease is aborted; reserved again, the error is raised then
-            return None
+            return ["stored" if ok else "exists" for ok in p.execute()]
 
     def commit(
         self,

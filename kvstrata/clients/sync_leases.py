@@ -142,28 +142,6 @@ class WriteBatch(_CommitOnExit, WriteBatchBase):
             named, digests = self.commit_args(())
             self._client.commit(self._lease(), *named, via=self._conn, digests=digests)
 
-    def commit_then_reserve(self, nxt: Any) -> WriteBatch | None:
-        """:meth:`commit`, with the ``KV.MRESERVE`` of the chain's next batch (``nxt``: its
-        hashes, sizes, parent and tokens; DRAM slots) sent in the same write on this batch's
-        connection: one round trip for both (``Client.put_chain``). A failed commit raises as
-        :meth:`commit`'s, the new slots aborted first. A refused reservation is not raised:
-        None, and the caller reserves that batch the ordinary way (hearing the error then, or
-        halving the batch on -LEASELIMIT); None too when this batch had nothing to commit."""
-        if self.done and self.grant.lease_id is None:
-            return None  # nothing was reserved: the next batch is reserved on its own
-        if self.done:
-            raise RuntimeError("this write batch is already committed or aborted")
-        try:  # the server publishes the slots: the engine's writes must be done
-            _wait(self.fence(), strict=True)
-        except Exception:
-            self.abort()  # never publish bytes not known to be complete
-            raise
-        self.done = True
-        if not self.unpublished():
-            return None
-        assert self._conn is not None
-        return self._client._commit_then_reserve(self, nxt, self._conn)
-
     def abort(self) -> None:
         """Discard the chunks not published yet (those published stay stored). Of an expired
         lease this ends what the server still holds for it (``-NOLEASE`` is not raised: the
