@@ -245,7 +245,7 @@ class Client:
     ) -> list[str]:
         """Store the chain ``hashes`` (the first linked to ``parent``), skipping chunks stored
         already. On the server's host: ``KV.MRESERVE``, one copy per chunk into its slot,
-        ``KV.COMMIT``; a chain of more than one part (``chain_stream.pipe_slices``: 8 chunks
+        ``KV.COMMIT``; a chain of more than one part (``chain_stream.pipe_slices``: 16 chunks
         and 8 MiB at least) is streamed, one part reserved ahead, so the server reserves and
         publishes while this client copies (:mod:`kvstrata.clients.chain_stream`). Else (or
         once the arena proved unreachable) one pipelined write of ``KV.PUT … NX`` per batch of
