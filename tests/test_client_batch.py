@@ -406,6 +406,77 @@ def test_put_chain_falls_back_to_tcp_when_the_arena_cannot_be_mapped(
         assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_streamed_chain_falls_back_to_tcp_when_the_arena_cannot_be_mapped(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch, asynchronous: bool
+) -> None:
+    """The same from a stream (parts of 2): the first part's reservation is aborted, the
+    reservation is never sent ahead, and the whole chain goes over the socket (sync and async);
+    an exception while filling a streamed part aborts it in the async client too."""
+
+    def unmappable(region: Any) -> Any:
+        raise RegionMapError("not on this host")
+
+    monkeypatch.setattr(chain_stream, "PIPE_BYTES", 2 * 4096)
+    monkeypatch.setattr(chain_stream, "PIPE_CHUNKS", 1)
+    monkeypatch.setattr(client_handles, "map_shm", unmappable)
+    monkeypatch.setattr(client_handles, "_shm", {})
+    hs = hashes(6, b"t")
+    data = [payload(i) for i in range(6)]
+    if asynchronous:
+
+        async def main() -> tuple[list[str], bool]:
+            async with AsyncClient(port=server.port) as kv:
+                return await kv.put_chain(NS, hs, data), kv.shared_memory
+
+        states, shared = asyncio.run(main())
+    else:
+        with Client(port=server.port) as kv:
+            states, shared = kv.put_chain(NS, hs, data), kv.shared_memory
+    assert states == ["stored"] * 6 and not shared
+    with Client(port=server.port) as kv:
+        assert kv.mget(NS, hs) == data
+        assert kv.match(NS, hs) == 6
+    assert wait_for(lambda: used(server) == 6 * 4096)  # the aborted slots are free
+    assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
+
+
+def test_async_stream_aborts_a_part_whose_fill_raises(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts of 2, the async client: copying chunk 3 raises; the first part stays stored, the
+    second and the third (reserved ahead) are aborted: another client reserves them all."""
+    from kvstrata.clients.aio_leases import AsyncWriteBatch
+
+    monkeypatch.setattr(chain_stream, "PIPE_BYTES", 2 * 4096)
+    monkeypatch.setattr(chain_stream, "PIPE_CHUNKS", 1)
+    real = AsyncWriteBatch.write
+    hs = hashes(6, b"y")
+
+    def failing(self: AsyncWriteBatch, i: int, data: Any, offset: int = 0) -> None:
+        if self.hashes[i] == hs[3]:
+            raise RuntimeError("copy failed")
+        real(self, i, data, offset)
+
+    monkeypatch.setattr(AsyncWriteBatch, "write", failing)
+
+    async def main() -> None:
+        async with AsyncClient(port=server.port) as kv:
+            with pytest.raises(RuntimeError, match="copy failed"):
+                await kv.put_chain(NS, hs, [payload(i) for i in range(6)])
+            assert await kv.match(NS, hs) == 2
+
+    asyncio.run(main())
+    monkeypatch.setattr(AsyncWriteBatch, "write", real)
+    with (
+        Client(port=server.port) as other,
+        other.reserve_chain(NS, hs[1], hs[2:], [4096] * 4) as batch,
+    ):
+        assert batch.states == ("reserved",) * 4  # none "busy": both leases are gone
+        batch.abort()
+    assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
+
+
 def test_async_reserve_chain_and_put_chain(server: RunningServer) -> None:
     async def main() -> None:
         async with AsyncClient(port=server.port) as kv:

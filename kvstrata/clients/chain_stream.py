@@ -23,12 +23,13 @@ costs and means is unchanged: each part is a batch of its own (its chunks publis
 ``KV.COMMIT`` with their digests, after they were filled whole), published in chain order, and
 a commit's reply is read before the next part's commit is sent, so a part whose commit failed
 is never followed by a published part. Failures: a refused or unusable reservation
-(``-LEASELIMIT``, ``-OOM``, an arena this host cannot map) ends the stream once what is in
-flight is read, and that part and the rest are put the ordinary way, one batch at a time (which
-halves on ``-LEASELIMIT`` and raises the rest); a failed commit, or an exception while filling,
-aborts the filled part and the reservation sent ahead before it is raised (parts committed
-before it stay stored, as with any chain put). A lost connection raises; the server ends its
-leases with it.
+(``-LEASELIMIT``, ``-OOM``, an arena this host cannot map, found by the first write into a
+slot) ends the stream once what is in flight is read, and that part and the rest are put the
+ordinary way, one batch at a time (which halves on ``-LEASELIMIT``, goes over the socket when
+the arena cannot be mapped and raises the rest); a failed commit, or any other exception while
+filling, aborts the filled part and the reservation sent ahead before it is raised (parts
+committed before it stay stored, as with any chain put). A lost connection raises; the server
+ends its leases with it.
 
 Sans I/O: :func:`stream_chain` is a generator of :class:`Send`, :data:`READ` and
 :class:`MakeBatch` steps that the sync and asyncio clients drive on their own connections.
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.clients import commands as cmd
+from kvstrata.clients.handles import RegionMapError
 from kvstrata.clients.leases import BATCH_BYTES, BATCH_CHUNKS, WriteBatchBase, put_states
 from kvstrata.clients.results import BatchGrant
 from kvstrata.protocol.errors import RespError
@@ -204,13 +206,20 @@ def stream_chain(
         try:
             for i in batch.reserved:
                 batch.write(i, srcs[part.start + i])
-        except BaseException:
-            if committing is not None:
-                yield READ  # (the previous part's commit: stored or not, this raises)
+        except BaseException as exc:
+            prev = (yield READ) if committing is not None else None
             late = (yield READ) if ahead is not None else None
             yield from aborted(None if batch.done else batch.lease_id, lease_of(late))
             batch.done = True
-            raise
+            if not isinstance(exc, RegionMapError):
+                raise  # (the previous part's commit, stored or not: this is what failed)
+            # the arena cannot be mapped from here (its first slot is mapped by the first
+            # write): this part and the rest the ordinary way, which goes over the socket
+            if committing is not None:
+                failed = yield from committed(committing, prev)
+                if failed is not None:
+                    raise failed from exc
+            return states, k
         # the replies in flight, in the order sent: the previous part's commit, then ``ahead``
         done = (yield READ) if committing is not None else None
         reply = (yield READ) if ahead is not None else None
