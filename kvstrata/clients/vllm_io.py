@@ -6,9 +6,10 @@ its primary row, and ``KV.RELEASE``. Chunks the lease did not cover (a gap in th
 every chunk when the lease is refused (``-OOM``: no room to promote into the arena) or the arena
 cannot be mapped here (server on another host), come with one ``KV.MGET`` received in place
 into the primary rows. Stores: the job's chunks are cut into chains (each chunk's parent the
-one before it, same tokens), each chain reserved in one ``KV.MRESERVE`` (at most
-``BATCH_CHUNKS`` chunks / ``BATCH_BYTES``), one memcpy per row into its slot, one ``KV.COMMIT``;
-``KV.PUT`` of each row (sent from the row itself, no copy) when the arena cannot be mapped.
+one before it, same tokens), each stored by ``Client.put_chain``: ``KV.MRESERVE``, one memcpy
+per row into its slot, ``KV.COMMIT``, a chain longer than one part streamed (the server reserves
+and publishes while the rows are copied, :mod:`kvstrata.clients.chain_stream`); ``KV.PUT`` of
+each row (sent from the row itself, no copy) when the arena cannot be mapped.
 Each load reports, per chunk, whether its row now holds the chunk's exact bytes; a failure
 raises and leaves that per-chunk record behind.
 
@@ -26,7 +27,6 @@ from typing import Literal
 import numpy as np
 
 from kvstrata.clients.handles import RegionMapError
-from kvstrata.clients.leases import batch_slices
 from kvstrata.clients.sync import Client
 from kvstrata.protocol.errors import CommandError, RespError
 
@@ -153,25 +153,18 @@ class ChunkMover:
         """Store every item not already there; returns how many were written. Raises on the
         first failure (server down, ``-OOM`` …); chunks committed before it stay."""
         client = self.client()
-        written = 0
-        for chain in chains_of(items):
-            for part in batch_slices([self.row_bytes] * len(chain)):
-                written += self._store_chain(client, chain[part])
-        return written
+        return sum(self._store_chain(client, chain) for chain in chains_of(items))
 
     def _store_chain(self, client: Client, chain: Sequence[StoreItem]) -> int:
         if self.shared_memory:
-            sizes = [self.row_bytes] * len(chain)
             hashes = [item.hash for item in chain]
-            try:
-                with client.reserve_chain(self.namespace, chain[0].parent, hashes, sizes,
-                                          tokens=chain[0].tokens) as batch:  # fmt: skip
-                    for i in batch.reserved:
-                        # the one copy, checksummed on the way (KV.COMMIT … DIGEST)
-                        batch.write(i, self.rows[chain[i].row])
-                return len(batch.reserved)  # stored before, or being written elsewhere: 0
-            except RegionMapError as exc:
-                self._arena_unreachable(exc)
+            rows = [self.rows[item.row] for item in chain]  # the one copy, checksummed on the way
+            states = client.put_chain(
+                self.namespace, hashes, rows, chain[0].parent, tokens=chain[0].tokens
+            )
+            if not client.shared_memory:  # it went over the socket: the arena is not here
+                self._arena_unreachable(RegionMapError("the server's arena is not on this host"))
+            return states.count("stored")  # stored before, or being written elsewhere: not
         written = 0
         for item in chain:
             src = self.rows[item.row]
