@@ -341,14 +341,23 @@ def _write_slot(slot: memoryview, src: bytes | memoryview, offset: int) -> bytes
     return None
 
 
-def batch_slices(sizes: Sequence[int], max_chunks: int = BATCH_CHUNKS,
-                 max_bytes: int = BATCH_BYTES) -> list[slice]:  # fmt: skip
+def batch_slices(
+    sizes: Sequence[int],
+    max_chunks: int = BATCH_CHUNKS,
+    max_bytes: int = BATCH_BYTES,
+    min_chunks: int | None = None,
+    min_bytes: int = 0,
+) -> list[slice]:
     """Cut a chain into consecutive batches of at most ``max_chunks`` chunks and ``max_bytes``
-    bytes (a single larger chunk is a batch of its own)."""
+    bytes (a single larger chunk is a batch of its own); with ``min_chunks``, a batch also ends
+    once it holds ``min_chunks`` chunks and ``min_bytes`` bytes (``put_chain``'s streamed parts,
+    ``chain_stream.pipe_slices``)."""
     out: list[slice] = []
     start, nbytes = 0, 0
     for i, size in enumerate(sizes):
-        if i > start and (i - start >= max_chunks or nbytes + size > max_bytes):
+        n = i - start
+        full = min_chunks is not None and n >= min_chunks and nbytes >= min_bytes
+        if n and (full or n >= max_chunks or nbytes + size > max_bytes):
             out.append(slice(start, i))
             start, nbytes = i, 0
         nbytes += size
