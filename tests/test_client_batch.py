@@ -172,6 +172,42 @@ def test_put_chain_streams_long_chains_and_links_them(
         assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
 
 
+def test_streams_from_threads_sharing_a_client_each_hold_their_own_connection(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four threads stream chains of 12 chunks (parts of 2) through one Client at once: each
+    stream holds a pooled connection of its own, so replies never cross; every chunk reads
+    back exactly and no lease is left."""
+    import threading
+
+    monkeypatch.setattr(chain_stream, "PIPE_BYTES", 2 * 4096)
+    monkeypatch.setattr(chain_stream, "PIPE_CHUNKS", 1)
+    chains = [hashes(12, b"th%d-" % t) for t in range(4)]
+    data = [[payload(t * 16 + i) for i in range(12)] for t in range(4)]
+    results: dict[int, Any] = {}
+    start = threading.Barrier(4)
+
+    with Client(port=server.port) as kv:
+
+        def run(t: int) -> None:
+            start.wait()
+            try:
+                results[t] = kv.put_chain(NS, chains[t], data[t])
+            except BaseException as exc:
+                results[t] = exc
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert results == {t: ["stored"] * 12 for t in range(4)}
+        for t in range(4):
+            assert kv.mget(NS, chains[t]) == data[t]
+            assert kv.match(NS, chains[t]) == 12
+    assert redis.Redis(port=server.port).info("tiers")["kv_leases"] == 0
+
+
 def test_streamed_put_chain_reports_existing_chunks_and_whole_existing_parts(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
