@@ -240,9 +240,7 @@ class AsyncClient:
     ) -> AsyncWriteBatch:
         """The batch of a KV.MRESERVE reply; its lease is aborted when that fails."""
         try:
-            regions = await self._regions_for([h for h in grant.handles if h is not None])
-            keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
-            return AsyncWriteBatch(self, ns, keys, grant, regions, conn=conn)
+            return await self._batch_of(ns, hashes, grant, conn)
         except BaseException:
             if grant.lease_id is not None:
                 await self.abort(grant.lease_id, via=conn)  # free the slots now, not at the TTL
@@ -302,7 +300,7 @@ class AsyncClient:
                     else:
                         assert isinstance(step, MakeBatch)
                         try:
-                            batch = await self._batch_of(ns, step, conn)
+                            batch = await self._batch_of(ns, step.hashes, step.grant, conn)
                         except Exception as exc:  # the stream aborts its lease
                             step = steps.throw(exc)
                         else:
@@ -315,10 +313,13 @@ class AsyncClient:
             finally:
                 self._digests = opts.digests
 
-    async def _batch_of(self, ns: str, step: MakeBatch, conn: AsyncConnection) -> AsyncWriteBatch:
-        regions = await self._regions_for([h for h in step.grant.handles if h is not None])
-        keys = [bytes(cmd.hash_bytes(h)) for h in step.hashes]
-        return AsyncWriteBatch(self, ns, keys, step.grant, regions, conn=conn)
+    async def _batch_of(
+        self, ns: str, hashes: Sequence[HashLike], grant: BatchGrant, conn: AsyncConnection
+    ) -> AsyncWriteBatch:
+        """The batch of a KV.MRESERVE reply (its regions mapped); nothing aborted on failure."""
+        regions = await self._regions_for([h for h in grant.handles if h is not None])
+        keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
+        return AsyncWriteBatch(self, ns, keys, grant, regions, conn=conn)
 
     async def _put_batch(
         self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int

@@ -153,6 +153,12 @@ def stream_chain(
             for _ in sent:
                 yield READ
 
+    def dropped(batch: WriteBatchBase, late: Any) -> Generator[Step, Any, None]:
+        """Abort the part being filled (unless nothing was reserved for it) and the
+        reservation ``late`` answered (the part sent ahead)."""
+        yield from aborted(None if batch.done else batch.lease_id, lease_of(late))
+        batch.done = True
+
     def lease_of(reply: Any) -> Any:
         """The lease of a reservation reply read only to abort it (None: nothing reserved)."""
         if isinstance(reply, RespError) or type(reply) is not list or not reply:
@@ -200,8 +206,7 @@ def stream_chain(
         except BaseException as exc:
             prev = (yield READ) if committing is not None else None
             late = (yield READ) if ahead is not None else None
-            yield from aborted(None if batch.done else batch.lease_id, lease_of(late))
-            batch.done = True
+            yield from dropped(batch, late)
             if not isinstance(exc, RegionMapError):
                 raise  # (the previous part's commit, stored or not: this is what failed)
             # the arena cannot be mapped from here (its first slot is mapped by the first
@@ -217,8 +222,7 @@ def stream_chain(
         if committing is not None:
             failed = yield from committed(committing, done)
             if failed is not None:  # nothing after a part that is not stored
-                yield from aborted(None if batch.done else batch.lease_id, lease_of(reply))
-                batch.done = True
+                yield from dropped(batch, reply)
                 raise failed
         nxt: WriteBatchBase | None = None
         if ahead is not None and not isinstance(reply, RespError):

@@ -227,9 +227,7 @@ class Client:
     ) -> WriteBatch:
         """The batch of a KV.MRESERVE reply; its lease is aborted when that fails."""
         try:
-            regions = self._regions_for([h for h in grant.handles if h is not None])
-            keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
-            return WriteBatch(self, ns, keys, grant, regions, conn=conn)
+            return self._batch_of(ns, hashes, grant, conn)
         except BaseException:
             if grant.lease_id is not None:
                 self.abort(grant.lease_id, via=conn)  # free the slots now, not at the TTL
@@ -294,7 +292,7 @@ class Client:
                     else:
                         assert isinstance(step, MakeBatch)
                         try:
-                            batch = self._batch_of(ns, step, conn)
+                            batch = self._batch_of(ns, step.hashes, step.grant, conn)
                         except Exception as exc:  # the stream aborts its lease
                             step = steps.throw(exc)
                         else:
@@ -304,10 +302,13 @@ class Client:
             finally:
                 self._digests = opts.digests
 
-    def _batch_of(self, ns: str, step: MakeBatch, conn: SyncConnection) -> WriteBatch:
-        regions = self._regions_for([h for h in step.grant.handles if h is not None])
-        keys = [bytes(cmd.hash_bytes(h)) for h in step.hashes]
-        return WriteBatch(self, ns, keys, step.grant, regions, conn=conn)
+    def _batch_of(
+        self, ns: str, hashes: Sequence[HashLike], grant: BatchGrant, conn: SyncConnection
+    ) -> WriteBatch:
+        """The batch of a KV.MRESERVE reply (its regions mapped); nothing aborted on failure."""
+        regions = self._regions_for([h for h in grant.handles if h is not None])
+        keys = [bytes(cmd.hash_bytes(h)) for h in hashes]
+        return WriteBatch(self, ns, keys, grant, regions, conn=conn)
 
     def _put_batch(
         self, ns: str, hashes: Sequence[HashLike], srcs: Sequence[Any], parent: Any, tokens: int

@@ -339,14 +339,14 @@ static int do_match(FastPath *fp, const Arg *argv, int argc, Out *o) {
 
 /* KV.MGET's first pass: every hash a clean miss (no shared tier) or a DRAM hit get_now serves
  * (no TTL, not moving, its slot in the arena), LARGE_VALUE bytes at most in all. */
-static int mget_ours(FastPath *fp, PyObject **ns, const Arg *argv, int argc) {
+static int mget_ours(FastPath *fp, PyObject *ns, const Arg *argv, int argc) {
     Kv *kv = &fp->kv;
     if (kv->dram == NULL || kv->remote || PyList_GET_SIZE(kv->tiers) == 0 ||
         PyList_GET_ITEM(kv->tiers, 0) != kv->dram)
         return 0;
     long long total = 0;
     for (int i = 2; i < argc; i++) {
-        PyObject *rec = kv_record(fp, ns, &argv[1], &argv[i]);
+        PyObject *rec = kv_record(fp, &ns, &argv[1], &argv[i]);  /* (ns is made already) */
         if (rec == NULL) {
             if (PyErr_Occurred()) return -1;
             continue;
@@ -420,7 +420,7 @@ static int do_mget(FastPath *fp, Run *run, const Arg *argv, int argc, Out *o, in
     if (!kv_chain(kv, argv, argc)) return 0;
     PyObject *ns = PyUnicode_DecodeASCII(argv[1].p, argv[1].n, NULL);  /* get_now's */
     if (ns == NULL) return -1;
-    int rc = mget_ours(fp, &ns, argv, argc);
+    int rc = mget_ours(fp, ns, argv, argc);
     if (rc == 1) {
         Py_ssize_t mark = o->len;
         char head[32];
